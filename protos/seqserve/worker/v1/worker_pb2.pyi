@@ -1,0 +1,160 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("model_id", "architecture", "vocab_size", "eos_token_ids", "max_position_embeddings", "dtype", "device", "kv_bytes_per_token", "kv_capacity_tokens", "instance_id", "num_layers")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    architecture: str
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_position_embeddings: int
+    dtype: str
+    device: str
+    kv_bytes_per_token: int
+    kv_capacity_tokens: int
+    instance_id: str
+    num_layers: int
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., instance_id: _Optional[str] = ..., num_layers: _Optional[int] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("strategy", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "seed", "penalty_alpha", "logprobs")
+    class Strategy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STRATEGY_GREEDY: _ClassVar[SamplingParams.Strategy]
+        STRATEGY_SAMPLE: _ClassVar[SamplingParams.Strategy]
+        STRATEGY_CONTRASTIVE: _ClassVar[SamplingParams.Strategy]
+    STRATEGY_GREEDY: SamplingParams.Strategy
+    STRATEGY_SAMPLE: SamplingParams.Strategy
+    STRATEGY_CONTRASTIVE: SamplingParams.Strategy
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TYPICAL_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    PENALTY_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    strategy: SamplingParams.Strategy
+    temperature: float
+    top_k: int
+    top_p: float
+    typical_p: float
+    repetition_penalty: float
+    seed: int
+    penalty_alpha: float
+    logprobs: int
+    def __init__(self, strategy: _Optional[_Union[SamplingParams.Strategy, str]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., penalty_alpha: _Optional[float] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
+class NewSequence(_message.Message):
+    __slots__ = ("sequence_id", "token_ids", "num_generated", "params")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_generated: int
+    params: SamplingParams
+    def __init__(self, sequence_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_generated: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class Group(_message.Message):
+    __slots__ = ("sequence_ids",)
+    SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    sequence_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sequence_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("step_id", "release", "prefill", "groups")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    release: _containers.RepeatedScalarFieldContainer[int]
+    prefill: _containers.RepeatedCompositeFieldContainer[NewSequence]
+    groups: _containers.RepeatedCompositeFieldContainer[Group]
+    def __init__(self, step_id: _Optional[int] = ..., release: _Optional[_Iterable[int]] = ..., prefill: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("id", "logprob")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    logprob: float
+    def __init__(self, id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class SequenceToken(_message.Message):
+    __slots__ = ("sequence_id", "token_id", "logprob", "top_logprobs", "cached_tokens")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
+    token_id: int
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    cached_tokens: int
+    def __init__(self, sequence_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class StepTimings(_message.Message):
+    __slots__ = ("forward_seconds", "sampling_seconds", "regroup_seconds", "total_seconds")
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REGROUP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    forward_seconds: float
+    sampling_seconds: float
+    regroup_seconds: float
+    total_seconds: float
+    def __init__(self, forward_seconds: _Optional[float] = ..., sampling_seconds: _Optional[float] = ..., regroup_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("step_id", "tokens", "timings", "regroup_bytes", "kv_slots", "kv_tokens", "instance_id")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    REGROUP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    tokens: _containers.RepeatedCompositeFieldContainer[SequenceToken]
+    timings: StepTimings
+    regroup_bytes: int
+    kv_slots: int
+    kv_tokens: int
+    instance_id: str
+    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SequenceToken, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., regroup_bytes: _Optional[int] = ..., kv_slots: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class ResetRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetResponse(_message.Message):
+    __slots__ = ("instance_id",)
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    def __init__(self, instance_id: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,290 @@
+"""Executes the scheduler's Step on the worker: release, regroup, prefill, decode, sample.
+
+Free of gRPC: the servicer converts messages to these dataclasses and back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from worker_service import sampling
+from worker_service.kv_groups import KVGroup
+from worker_service.model_runner import ModelRunner
+from worker_service.sequence import SamplingParams, SequenceState
+
+logger = logging.getLogger(__name__)
+
+
+class StepError(ValueError):
+    """The Step contradicts the worker's state (unknown id, duplicate, missing group)."""
+
+
+@dataclass
+class NewSequence:
+    seq_id: int
+    token_ids: list[int]
+    num_generated: int
+    params: SamplingParams
+
+
+@dataclass
+class TokenOut:
+    seq_id: int
+    token_id: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
+    cached_tokens: int = 0
+
+
+@dataclass
+class StepResult:
+    tokens: list[TokenOut] = field(default_factory=list)
+    forward_seconds: float = 0.0
+    sampling_seconds: float = 0.0
+    regroup_seconds: float = 0.0
+    total_seconds: float = 0.0
+    regroup_bytes: int = 0
+    kv_slots: int = 0
+    kv_tokens: int = 0
+
+
+class Engine:
+    """The worker's sequences and group caches."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.device = runner.device
+        self.sequences: dict[int, SequenceState] = {}
+        self.groups: list[KVGroup] = []
+        self.where: dict[int, KVGroup] = {}
+
+    # --- bookkeeping -----------------------------------------------------------------
+
+    def reset(self) -> None:
+        self.sequences.clear()
+        self.groups.clear()
+        self.where.clear()
+
+    def kv_usage(self) -> tuple[int, int]:
+        """(padded slots a forward reads, real KV tokens) over all groups."""
+        slots = sum(g.padded_slots() for g in self.groups)
+        tokens = sum(sum(g.lengths) for g in self.groups)
+        return slots, tokens
+
+    def _copied(self) -> int:
+        return sum(g.copied_bytes for g in self.groups)
+
+    def release(self, seq_id: int) -> None:
+        self.sequences.pop(seq_id, None)
+        group = self.where.pop(seq_id, None)
+        if group is not None:
+            group.remove_row(group.row_of(seq_id))
+
+    # --- the step --------------------------------------------------------------------
+
+    def step(self, release: list[int], prefill: list[NewSequence],
+             plan: list[list[int]]) -> StepResult:
+        t0 = time.perf_counter()
+        result = StepResult()
+        for g in self.groups:
+            g.copied_bytes = 0
+        for sid in release:
+            self.release(sid)
+        new_ids = set()
+        for ns in prefill:
+            if ns.seq_id in self.sequences or ns.seq_id in new_ids:
+                raise StepError(f"sequence {ns.seq_id} already exists; release it first")
+            if not ns.token_ids:
+                raise StepError(f"sequence {ns.seq_id} has no tokens to prefill")
+            new_ids.add(ns.seq_id)
+        self._check_plan(plan, new_ids)
+        for ns in prefill:
+            self.sequences[ns.seq_id] = SequenceState(
+                seq_id=ns.seq_id, token_ids=list(ns.token_ids), num_generated=ns.num_generated,
+                params=ns.params, prompt_length=len(ns.token_ids) - ns.num_generated)
+        groups, old_counts, dropped_bytes = self._regroup(plan, new_ids)
+        result.regroup_seconds = time.perf_counter() - t0
+        for group, n_old in zip(groups, old_counts):
+            if n_old:
+                self._decode(group, 0, n_old, result)
+            if group.rows > n_old:
+                self._prefill(group, n_old, result)
+        result.kv_slots, result.kv_tokens = self.kv_usage()
+        result.regroup_bytes = self._copied() + dropped_bytes
+        result.total_seconds = time.perf_counter() - t0
+        return result
+
+    def _check_plan(self, plan: list[list[int]], new_ids: set[int]) -> None:
+        seen: set[int] = set()
+        for members in plan:
+            for sid in members:
+                if sid in seen:
+                    raise StepError(f"sequence {sid} appears in more than one group")
+                if sid not in self.sequences and sid not in new_ids:
+                    raise StepError(f"sequence {sid} is unknown to this worker (not running, "
+                                    "not in prefill); the scheduler must re-admit it")
+                seen.add(sid)
+        missing = (set(self.sequences) | new_ids) - seen
+        if missing:
+            raise StepError(f"sequences {sorted(missing)[:8]} are in no group; every live "
+                            "sequence must be in exactly one group")
+
+    def _regroup(self, plan: list[list[int]], new_ids: set[int]
+                 ) -> tuple[list[KVGroup], list[int], int]:
+        """Make one KVGroup per planned group, moving as few rows as possible."""
+        olds = [[sid for sid in members if sid not in new_ids] for members in plan]
+        # Give each planned group the existing group it overlaps most, largest overlaps first.
+        overlaps = []
+        for i, members in enumerate(olds):
+            counts: dict[int, int] = {}
+            for sid in members:
+                gid = id(self.where[sid])
+                counts[gid] = counts.get(gid, 0) + 1
+            overlaps += [(n, i, gid) for gid, n in counts.items()]
+        by_id = {id(g): g for g in self.groups}
+        target: dict[int, KVGroup] = {}
+        taken: set[int] = set()
+        for n, i, gid in sorted(overlaps, key=lambda x: (-x[0], x[1])):
+            if i not in target and gid not in taken:
+                target[i] = by_id[gid]
+                taken.add(gid)
+        groups = [target.get(i) or KVGroup(self.runner.kv_shape) for i in range(len(plan))]
+        moves = []
+        for members, group in zip(olds, groups):
+            for sid in members:
+                src = self.where[sid]
+                if src is not group:
+                    group.add_row_from(src, src.row_of(sid))
+                    moves.append((src, sid, group))
+        for src, sid, group in moves:
+            src.remove_row(src.row_of(sid))
+            self.where[sid] = group
+        dropped = 0
+        for g in self.groups:
+            if not any(g is x for x in groups):
+                assert g.rows == 0, "a group left without a plan still holds rows"
+                dropped += g.copied_bytes  # its copies this step still count
+        old_counts = [g.rows for g in groups]
+        for members, group in zip(plan, groups):
+            # Contrastive sequences last, so their candidate pass covers contiguous rows.
+            fresh = sorted((sid for sid in members if sid in new_ids),
+                           key=lambda sid: self.sequences[sid].contrastive)
+            for sid in fresh:
+                seq = self.sequences[sid]
+                group.add_empty_row(sid, len(seq.token_ids) + max(seq.params.top_k, 1) + 1)
+                self.where[sid] = group
+            if moves:
+                group.trim()
+        self.groups = groups
+        return groups, old_counts, dropped
+
+    # --- forwards --------------------------------------------------------------------
+
+    def _prefill(self, group: KVGroup, row_start: int, result: StepResult) -> None:
+        rows = range(row_start, group.rows)
+        seqs = [self.sequences[group.seq_ids[r]] for r in rows]
+        lengths = [len(s.token_ids) for s in seqs]
+        q_len = max(lengths)
+        group.ensure_capacity(group.rows, q_len + max(max(s.params.top_k, 1) for s in seqs) + 1)
+        ids = torch.zeros(len(seqs), q_len, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : lengths[i]] = torch.tensor(s.token_ids)
+            ids[i, lengths[i]:] = s.token_ids[0]
+        ids = ids.to(self.device)
+        starts = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
+        t = time.perf_counter()
+        hidden = self.runner.forward(group, row_start, group.rows, ids, starts)
+        last = torch.tensor(lengths, device=self.device) - 1
+        last_hidden = hidden[torch.arange(len(seqs), device=self.device), last]
+        logits = self.runner.logits(last_hidden)
+        result.forward_seconds += time.perf_counter() - t
+        for i, r in enumerate(rows):
+            group.lengths[r] = lengths[i]
+        direct = [i for i, s in enumerate(seqs) if not s.contrastive]
+        self._emit(seqs, direct, logits, result)
+        contrastive = [i for i, s in enumerate(seqs) if s.contrastive]
+        for i in contrastive:
+            s = seqs[i]
+            s.append_hidden(hidden[i, : lengths[i]])
+            s.next_logits = logits[i]
+        if contrastive:
+            self._decode(group, row_start + contrastive[0], group.rows, result)
+
+    def _emit(self, seqs: list[SequenceState], idx: list[int], logits: torch.Tensor,
+              result: StepResult) -> None:
+        if not idx:
+            return
+        t = time.perf_counter()
+        chosen = sampling.choose_tokens(logits[idx], [seqs[i] for i in idx])
+        for i, c in zip(idx, chosen):
+            s = seqs[i]
+            s.accept(c.token_id)
+            s.pending = c.token_id
+            result.tokens.append(TokenOut(s.seq_id, c.token_id, c.logprob, c.top))
+        result.sampling_seconds += time.perf_counter() - t
+
+    def _decode(self, group: KVGroup, row_start: int, row_end: int, result: StepResult) -> None:
+        """One forward over rows [row_start, row_end): last tokens, or contrastive candidates."""
+        seqs = [self.sequences[group.seq_ids[r]] for r in range(row_start, row_end)]
+        t = time.perf_counter()
+        inputs: list[list[int]] = []
+        cand_probs: dict[int, torch.Tensor] = {}
+        for i, s in enumerate(seqs):
+            if s.contrastive:
+                ids, probs = sampling.contrastive_candidates(s)
+                inputs.append(ids.tolist())
+                cand_probs[i] = probs
+            else:
+                inputs.append([s.pending])
+        result.sampling_seconds += time.perf_counter() - t
+        q_len = max(len(x) for x in inputs)
+        ids = torch.tensor([x + [x[0]] * (q_len - len(x)) for x in inputs], dtype=torch.long,
+                           device=self.device)
+        starts = torch.tensor(group.lengths[row_start:row_end], dtype=torch.long,
+                              device=self.device)
+        group.ensure_capacity(group.rows, int(starts.max()) + q_len + 1)
+        tree = None
+        if cand_probs:
+            tree = torch.zeros(len(seqs), dtype=torch.bool)
+            tree[list(cand_probs)] = True
+            tree = tree.to(self.device)
+        t = time.perf_counter()
+        hidden = self.runner.forward(group, row_start, row_end, ids, starts, tree)
+        direct = [i for i, s in enumerate(seqs) if not s.contrastive]
+        logits = self.runner.logits(hidden[direct, 0]) if direct else None
+        result.forward_seconds += time.perf_counter() - t
+        for i in direct:
+            group.lengths[row_start + i] += 1
+        if direct:
+            full = torch.empty(len(seqs), logits.shape[-1], device=logits.device)
+            full[direct] = logits
+            self._emit(seqs, direct, full, result)
+        for i, probs in cand_probs.items():
+            self._pick_candidate(group, row_start + i, seqs[i], inputs[i], probs,
+                                 hidden[i, : len(inputs[i])], result)
+
+    def _pick_candidate(self, group: KVGroup, row: int, seq: SequenceState, cand_ids: list[int],
+                        probs: torch.Tensor, cand_hidden: torch.Tensor, result: StepResult) -> None:
+        t = time.perf_counter()
+        best = sampling.contrastive_pick(probs, cand_hidden, seq.context(),
+                                         seq.params.penalty_alpha)
+        start = group.lengths[row]
+        if best:
+            group.copy_slot(row, start + best, start)
+        group.lengths[row] = start + 1
+        token = cand_ids[best]
+        out = TokenOut(seq.seq_id, token)
+        if seq.params.logprobs >= 0:
+            out.logprob, out.top = sampling._logprob_info(seq.next_logits, token,
+                                                          seq.params.logprobs)
+        seq.append_hidden(cand_hidden[best : best + 1])
+        result.sampling_seconds += time.perf_counter() - t
+        t = time.perf_counter()
+        seq.next_logits = self.runner.logits(cand_hidden[best])
+        result.forward_seconds += time.perf_counter() - t
+        seq.accept(token)
+        result.tokens.append(out)

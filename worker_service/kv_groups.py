@@ -1,0 +1,218 @@
+"""Padded KV caches, one per group of sequences, and the transformers Cache adapter over them.
+
+Layout: each group holds, per layer, a preallocated key and value buffer of shape
+[row_capacity, kv_heads, length_capacity, head_dim]. Row r holds one sequence whose
+tokens sit at slots 0..length-1 (start-aligned, so the padding is at the end of short
+rows). That is the same padding cost as left padding, but rows of different groups can
+be merged or split without shifting anything, and new keys are written in place at each
+row's own next slot, so a decoding step never copies the cache. Positions and the
+attention mask (built per forward in `attention.py`) make padded results equal
+unpadded ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from transformers import Cache
+
+logger = logging.getLogger(__name__)
+
+LENGTH_ALIGN = 64  # slots are allocated in multiples of this, with headroom on growth
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """Per-layer key and value shapes of one token, learned from the model at load time."""
+
+    key_heads: tuple[int, ...]
+    key_dims: tuple[int, ...]
+    value_heads: tuple[int, ...]
+    value_dims: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.key_heads)
+
+    @property
+    def bytes_per_token(self) -> int:
+        elems = sum(h * d for h, d in zip(self.key_heads, self.key_dims))
+        elems += sum(h * d for h, d in zip(self.value_heads, self.value_dims))
+        return elems * torch.empty((), dtype=self.dtype).element_size()
+
+
+def _round_up(n: int, align: int) -> int:
+    return max(align, -(-n // align) * align)
+
+
+@dataclass
+class KVGroup:
+    """The padded KV cache of one group: rows are sequences, slots are token positions."""
+
+    shape: KVShape
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    seq_ids: list[int] = field(default_factory=list)  # row -> sequence id
+    lengths: list[int] = field(default_factory=list)  # row -> KV tokens held
+    copied_bytes: int = 0  # bytes moved by growth, merges and removals (for metrics)
+
+    @property
+    def rows(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def row_capacity(self) -> int:
+        return self.keys[0].shape[0] if self.keys else 0
+
+    @property
+    def length_capacity(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    @property
+    def max_length(self) -> int:
+        return max(self.lengths, default=0)
+
+    def padded_slots(self) -> int:
+        """Slots that a forward over this group reads: rows x longest row."""
+        return self.rows * self.max_length
+
+    def row_of(self, seq_id: int) -> int:
+        return self.seq_ids.index(seq_id)
+
+    def ensure_capacity(self, rows: int, length: int) -> None:
+        """Grow the buffers (with headroom) so `rows` rows of `length` slots fit."""
+        if rows <= self.row_capacity and length <= self.length_capacity:
+            return
+        new_rows = max(rows, self.row_capacity)
+        if rows > self.row_capacity:
+            new_rows = max(rows, int(self.row_capacity * 1.5), 4)
+        new_len = self.length_capacity
+        if length > self.length_capacity:
+            new_len = _round_up(max(length, int(length * 1.25)), LENGTH_ALIGN)
+        self._reallocate(new_rows, new_len)
+
+    def trim(self) -> None:
+        """Give memory back when the buffers are far larger than the rows need."""
+        need_len = _round_up(int(self.max_length * 1.25) + 1, LENGTH_ALIGN)
+        need_rows = max(self.rows, 4)
+        if self.length_capacity > 2 * need_len or self.row_capacity > 2 * need_rows:
+            self._reallocate(min(self.row_capacity, int(need_rows * 1.5)),
+                             min(self.length_capacity, need_len))
+
+    def _reallocate(self, new_rows: int, new_len: int) -> None:
+        s = self.shape
+        keep_len = min(self.max_length, new_len)
+        new_keys, new_values = [], []
+        for layer in range(s.num_layers):
+            # Zeroed, not empty: padding slots are masked, but a masked slot still meets
+            # a zero weight in probs @ values, and 0 * NaN from stale memory would be NaN.
+            k = torch.zeros(new_rows, s.key_heads[layer], new_len, s.key_dims[layer],
+                            dtype=s.dtype, device=s.device)
+            v = torch.zeros(new_rows, s.value_heads[layer], new_len, s.value_dims[layer],
+                            dtype=s.dtype, device=s.device)
+            if self.keys and self.rows:
+                k[: self.rows, :, :keep_len] = self.keys[layer][: self.rows, :, :keep_len]
+                v[: self.rows, :, :keep_len] = self.values[layer][: self.rows, :, :keep_len]
+            new_keys.append(k)
+            new_values.append(v)
+        self.copied_bytes += self.rows * keep_len * s.bytes_per_token
+        self.keys, self.values = new_keys, new_values
+
+    def add_empty_row(self, seq_id: int, reserve_length: int) -> int:
+        """Append a row for a new sequence (filled by its prefill); returns the row."""
+        self.ensure_capacity(self.rows + 1, reserve_length)
+        self.seq_ids.append(seq_id)
+        self.lengths.append(0)
+        return self.rows - 1
+
+    def add_row_from(self, other: KVGroup, other_row: int) -> int:
+        """Copy one sequence's KV from another group into a new row here."""
+        length = other.lengths[other_row]
+        self.ensure_capacity(self.rows + 1, length + 1)
+        row = self.rows
+        for layer in range(self.shape.num_layers):
+            self.keys[layer][row, :, :length] = other.keys[layer][other_row, :, :length]
+            self.values[layer][row, :, :length] = other.values[layer][other_row, :, :length]
+        self.seq_ids.append(other.seq_ids[other_row])
+        self.lengths.append(length)
+        self.copied_bytes += length * self.shape.bytes_per_token
+        return row
+
+    def remove_row(self, row: int) -> None:
+        """Drop a row; the last row moves into its place so the rows stay contiguous."""
+        last = self.rows - 1
+        if row != last:
+            length = self.lengths[last]
+            for layer in range(self.shape.num_layers):
+                self.keys[layer][row, :, :length] = self.keys[layer][last, :, :length]
+                self.values[layer][row, :, :length] = self.values[layer][last, :, :length]
+            self.seq_ids[row] = self.seq_ids[last]
+            self.lengths[row] = length
+            self.copied_bytes += length * self.shape.bytes_per_token
+        self.seq_ids.pop()
+        self.lengths.pop()
+
+    def copy_slot(self, row: int, src_slot: int, dst_slot: int) -> None:
+        """Move one token's KV within a row (contrastive search keeps the chosen candidate)."""
+        for layer in range(self.shape.num_layers):
+            self.keys[layer][row, :, dst_slot] = self.keys[layer][row, :, src_slot]
+            self.values[layer][row, :, dst_slot] = self.values[layer][row, :, src_slot]
+
+
+class GroupForwardCache(Cache):
+    """The Cache a model sees during one forward over rows [row_start, row_end) of a group.
+
+    `update` writes the new keys and values of row r at slots starts[r] .. starts[r]+q-1,
+    in place, and returns views of the buffers up to the longest row: no copy of the
+    cache is made. The mask that hides padding and future slots comes from `attention.py`.
+    """
+
+    def __init__(self, group: KVGroup, row_start: int, row_end: int, starts: torch.Tensor,
+                 q_len: int):
+        # Deliberately not calling Cache.__init__: this adapter has no per-layer objects,
+        # it routes writes into the group's buffers. No per-layer objects: transformers'
+        # layer-type queries (is_sliding, ...) then see an empty list.
+        self.layers = []
+        self.group = group
+        self.row_start, self.row_end = row_start, row_end
+        self.starts = starts  # [rows] long tensor on the cache device
+        self.q_len = q_len
+        self.kv_len = int(starts.max().item()) + q_len if starts.numel() else q_len
+        self.uniform_start = bool((starts == starts[0]).all().item()) if starts.numel() else True
+        self._first_start = int(starts[0].item()) if starts.numel() else 0
+        if not self.uniform_start:
+            rows = torch.arange(row_start, row_end, device=starts.device)
+            slots = starts[:, None] + torch.arange(q_len, device=starts.device)[None, :]
+            self._row_index = rows[:, None].expand_as(slots)
+            self._slot_index = slots
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        k_buf = self.group.keys[layer_idx]
+        v_buf = self.group.values[layer_idx]
+        r0, r1 = self.row_start, self.row_end
+        if self.uniform_start:
+            s = self._first_start
+            k_buf[r0:r1, :, s : s + self.q_len] = key_states
+            v_buf[r0:r1, :, s : s + self.q_len] = value_states
+        else:
+            # Advanced indices on dims 0 and 2 put them first: [rows, q, heads, dim].
+            k_buf[self._row_index, :, self._slot_index] = key_states.transpose(1, 2)
+            v_buf[self._row_index, :, self._slot_index] = value_states.transpose(1, 2)
+        return k_buf[r0:r1, :, : self.kv_len], v_buf[r0:r1, :, : self.kv_len]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.kv_len - self.q_len
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.group.length_capacity
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def __len__(self) -> int:
+        return self.group.shape.num_layers

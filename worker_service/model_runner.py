@@ -1,0 +1,150 @@
+"""Loads a Hugging Face causal LM and runs forwards over rows of a KV group."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, Cache, GenerationConfig
+
+from worker_service import attention
+from worker_service.kv_groups import GroupForwardCache, KVGroup, KVShape
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    model_id: str
+    architecture: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_position_embeddings: int
+    dtype: str
+    device: str
+    hidden_size: int
+
+
+class _ShapeProbe(Cache):
+    """Records the per-layer key/value shapes of one token; keeps nothing."""
+
+    def __init__(self):
+        self.layers = []
+        self.shapes: dict[int, tuple] = {}
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        self.shapes[layer_idx] = (key_states.shape[1], key_states.shape[3],
+                                  value_states.shape[1], value_states.shape[3])
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+def _eos_ids(model_id: str, config, trust_remote_code: bool) -> tuple[int, ...]:
+    try:
+        gen = GenerationConfig.from_pretrained(model_id, trust_remote_code=trust_remote_code)
+        eos = gen.eos_token_id
+    except (OSError, ValueError):
+        eos = None
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def _max_positions(config) -> int:
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+class ModelRunner:
+    """One model on one device, run through the seqserve attention and group caches."""
+
+    def __init__(self, model_id: str, dtype: str = "float32", device: str = "cpu",
+                 trust_remote_code: bool = False):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        impl = attention.register()
+        config = AutoConfig.from_pretrained(model_id, trust_remote_code=trust_remote_code)
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types and len(set(layer_types)) > 1:
+            raise ValueError(
+                f"{model_id}: layers mix attention types {sorted(set(layer_types))}; seqserve "
+                "supports models whose layers all use the same attention")
+        self.sliding_window = getattr(config, "sliding_window", None)
+        if getattr(config, "use_sliding_window", True) is False:
+            self.sliding_window = None
+        model = AutoModelForCausalLM.from_pretrained(
+            model_id, dtype=self.dtype, attn_implementation=impl,
+            trust_remote_code=trust_remote_code)
+        self.model = model.to(self.device).eval()
+        self.base = self.model.base_model
+        self.lm_head = self.model.get_output_embeddings()
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.facts = ModelFacts(
+            model_id=model_id,
+            architecture=(config.architectures or [type(self.model).__name__])[0],
+            vocab_size=int(self.lm_head.weight.shape[0]),
+            eos_token_ids=_eos_ids(model_id, config, trust_remote_code),
+            max_position_embeddings=_max_positions(config),
+            dtype=dtype,
+            device=str(self.device),
+            hidden_size=int(self.lm_head.weight.shape[1]),
+        )
+        self.kv_shape = self._probe_kv_shape()
+        logger.info("loaded %s (%s) on %s in %s; KV %d bytes per token", model_id,
+                    self.facts.architecture, self.device, dtype, self.kv_shape.bytes_per_token)
+
+    @torch.inference_mode()
+    def _probe_kv_shape(self) -> KVShape:
+        probe = _ShapeProbe()
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        self.base(input_ids=ids, position_ids=ids, attention_mask=mask, past_key_values=probe,
+                  use_cache=True)
+        layers = [probe.shapes[i] for i in sorted(probe.shapes)]
+        return KVShape(
+            key_heads=tuple(s[0] for s in layers), key_dims=tuple(s[1] for s in layers),
+            value_heads=tuple(s[2] for s in layers), value_dims=tuple(s[3] for s in layers),
+            dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def forward(self, group: KVGroup, row_start: int, row_end: int, input_ids: torch.Tensor,
+                starts: torch.Tensor, tree: torch.Tensor | None = None) -> torch.Tensor:
+        """Run rows [row_start, row_end) of `group` on `input_ids` [rows, q].
+
+        Row r's tokens take positions starts[r] .. starts[r]+q-1 (tree rows: all at
+        starts[r]) and their KV is written at those slots. Returns the last-layer hidden
+        states [rows, q, hidden].
+        """
+        q_len = input_ids.shape[1]
+        cache = GroupForwardCache(group, row_start, row_end, starts, q_len)
+        mask = attention.build_mask(starts, q_len, cache.kv_len, tree, self.sliding_window)
+        positions = starts[:, None] + torch.arange(q_len, device=self.device)[None, :]
+        if tree is not None:
+            positions = torch.where(tree[:, None], starts[:, None], positions)
+        out = self.base(input_ids=input_ids, position_ids=positions, attention_mask=mask,
+                        past_key_values=cache, use_cache=True)
+        return out.last_hidden_state
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Output-layer logits (float32) for hidden states [..., hidden]."""
+        logits = self.lm_head(hidden).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

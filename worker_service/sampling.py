@@ -1,0 +1,137 @@
+"""Token selection per sequence inside a batched step: greedy, sampling, contrastive search.
+
+Every function takes the logits of the rows that ran and the rows' own parameters, so
+greedy, sampled and contrastive sequences share one forward and never see each other's
+values. Sampling draws token i of a sequence from a generator seeded by (seed, i): the
+result does not depend on the batch, the group or when the request arrived.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker_service.sequence import SamplingParams, SequenceState, Strategy
+
+_MASK = float("-inf")
+
+
+@dataclass
+class Choice:
+    """The token chosen for one sequence, with log-probabilities when asked for."""
+
+    token_id: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """Hugging Face's rule: divide positive logits of seen tokens, multiply negative ones."""
+    if penalty == 1.0:
+        return logits
+    scores = logits.gather(-1, seen)
+    scores = torch.where(scores < 0, scores * penalty, scores / penalty)
+    return logits.scatter(-1, seen, scores)
+
+
+def warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k, top-p and typical-p, in Hugging Face's order, on one row [V]."""
+    if p.temperature != 1.0:
+        logits = logits / p.temperature
+    if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, _MASK)
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=False)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum <= (1 - p.top_p)
+        drop[-1] = False  # always keep the most likely token
+        logits = logits.masked_fill(drop.scatter(0, order, drop), _MASK)
+    if p.typical_p < 1.0:
+        logp = torch.log_softmax(logits, -1)
+        probs = logp.exp()
+        entropy = -(torch.nan_to_num(logp) * probs).sum()
+        shifted = (-logp - entropy).abs()
+        sorted_shift, order = torch.sort(shifted)
+        cum = probs.gather(-1, order).cumsum(-1)
+        last = int((cum < p.typical_p).sum().clamp(max=logits.shape[-1] - 1))
+        drop = sorted_shift > sorted_shift[last]
+        logits = logits.masked_fill(drop.scatter(0, order, drop), _MASK)
+    return logits
+
+
+def token_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
+    """A generator for token `index` of a sequence seeded with `seed`."""
+    g = torch.Generator(device=device)
+    # Mix like splitmix64 so nearby (seed, index) pairs give unrelated streams.
+    x = (seed * 0x9E3779B97F4A7C15 + index + 1) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    g.manual_seed((x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF)
+    return g
+
+
+def _logprob_info(raw_logits: torch.Tensor, token_id: int, n_top: int) -> tuple[float, list]:
+    logp = torch.log_softmax(raw_logits.float(), -1)
+    top = []
+    if n_top > 0:
+        vals, ids = torch.topk(logp, n_top)
+        top = list(zip(ids.tolist(), vals.tolist()))
+    return float(logp[token_id]), top
+
+
+def processed_logits(logits: torch.Tensor, seq: SequenceState) -> torch.Tensor:
+    """The row's logits after its repetition penalty (used by every strategy)."""
+    p = seq.params
+    if p.repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(logits, seq.ids_tensor(logits.device), p.repetition_penalty)
+    return logits
+
+
+def choose_tokens(logits: torch.Tensor, seqs: list[SequenceState]) -> list[Choice]:
+    """Pick the next token of greedy and sampled sequences from their logits [m, V]."""
+    logits = logits.float()
+    choices: list[Choice | None] = [None] * len(seqs)
+    simple = [i for i, s in enumerate(seqs) if not s.params.needs_processing]
+    if simple:
+        ids = logits[simple].argmax(-1).tolist()
+        for i, t in zip(simple, ids):
+            choices[i] = Choice(t)
+    for i, s in enumerate(seqs):
+        if choices[i] is not None:
+            continue
+        row = processed_logits(logits[i], s)
+        if s.params.strategy == Strategy.SAMPLE:
+            probs = torch.softmax(warp(row, s.params), -1)
+            g = token_generator(s.params.seed, s.num_generated, row.device)
+            t = int(torch.multinomial(probs, 1, generator=g))
+        else:
+            t = int(row.argmax())
+        choices[i] = Choice(t)
+    for i, s in enumerate(seqs):
+        if s.params.logprobs >= 0:
+            lp, top = _logprob_info(logits[i], choices[i].token_id, s.params.logprobs)
+            choices[i].logprob, choices[i].top = lp, top
+    return choices  # type: ignore[return-value]
+
+
+def contrastive_candidates(seq: SequenceState) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k candidate ids and their probabilities from the sequence's next-token logits."""
+    assert seq.next_logits is not None
+    probs = torch.softmax(processed_logits(seq.next_logits.float(), seq), -1)
+    k = min(max(seq.params.top_k, 1), probs.shape[-1])
+    top_probs, top_ids = torch.topk(probs, k)
+    return top_ids, top_probs
+
+
+def contrastive_pick(top_probs: torch.Tensor, cand_hidden: torch.Tensor, context: torch.Tensor,
+                     alpha: float) -> int:
+    """Su et al. 2022: argmax of (1 - alpha) p - alpha * max cosine(candidate, context)."""
+    cand = cand_hidden.float()
+    ctx = context.float()
+    cand = cand / cand.norm(dim=-1, keepdim=True)
+    ctx = ctx / ctx.norm(dim=-1, keepdim=True)
+    penalty = (cand @ ctx.T).max(dim=-1).values  # [k]
+    score = (1.0 - alpha) * top_probs.float() - alpha * penalty
+    return int(score.argmax())
