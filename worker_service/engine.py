@@ -75,6 +75,9 @@ class Engine:
         tokens = sum(sum(g.lengths) for g in self.groups)
         return slots, tokens
 
+    def allocated_bytes(self) -> int:
+        return sum(g.allocated_bytes() for g in self.groups)
+
     def _copied(self) -> int:
         return sum(g.copied_bytes for g in self.groups)
 

@@ -80,6 +80,9 @@ class KVGroup:
         """Slots that a forward over this group reads: rows x longest row."""
         return self.rows * self.max_length
 
+    def allocated_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
     def row_of(self, seq_id: int) -> int:
         return self.seq_ids.index(seq_id)
 

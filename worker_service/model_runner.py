@@ -74,10 +74,10 @@ class ModelRunner:
 
     def __init__(self, model_id: str, dtype: str = "float32", device: str = "cpu",
                  trust_remote_code: bool = False):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+        if dtype != "auto" and dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; use auto or one of "
+                             f"{', '.join(DTYPES)}")
         self.device = torch.device(device)
-        self.dtype = DTYPES[dtype]
         impl = attention.register()
         config = AutoConfig.from_pretrained(model_id, trust_remote_code=trust_remote_code)
         layer_types = getattr(config, "layer_types", None)
@@ -88,10 +88,13 @@ class ModelRunner:
         self.sliding_window = getattr(config, "sliding_window", None)
         if getattr(config, "use_sliding_window", True) is False:
             self.sliding_window = None
+        # "auto" keeps the dtype the checkpoint was saved in, as transformers does.
         model = AutoModelForCausalLM.from_pretrained(
-            model_id, dtype=self.dtype, attn_implementation=impl,
-            trust_remote_code=trust_remote_code)
+            model_id, dtype="auto" if dtype == "auto" else DTYPES[dtype],
+            attn_implementation=impl, trust_remote_code=trust_remote_code)
         self.model = model.to(self.device).eval()
+        self.dtype = self.model.dtype
+        dtype = {v: k for k, v in DTYPES.items()}.get(self.dtype, str(self.dtype))
         self.base = self.model.base_model
         self.lm_head = self.model.get_output_embeddings()
         self.softcap = getattr(config, "final_logit_softcapping", None)

@@ -1,0 +1,144 @@
+"""Python clients for seqserve: blocking (`Client`) and asyncio (`AsyncClient`).
+
+    from client import Client
+    with Client("127.0.0.1:8000") as c:
+        for chunk in c.stream("Once upon a time", max_new_tokens=50):
+            print(chunk.text, end="", flush=True)
+        reply = c.generate("Once upon a time", max_new_tokens=50)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterator
+
+import grpc
+
+from seqserve.v1 import generate_pb2, generate_pb2_grpc
+
+FINISH_REASONS = {generate_pb2.FINISH_REASON_LENGTH: "length",
+                  generate_pb2.FINISH_REASON_EOS: "eos",
+                  generate_pb2.FINISH_REASON_STOP: "stop"}
+
+
+@dataclass
+class Chunk:
+    """One streamed message: a token and its text, or (final) the finish reason and counts."""
+
+    text: str
+    token_id: int | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class Reply:
+    """A whole generation."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    generated_tokens: int
+    cached_tokens: int = 0
+    logprobs: list[float | None] = field(default_factory=list)
+
+
+def build_request(prompt: str, cached_prompt: str = "", request_id: str = "",
+                  **params: Any) -> generate_pb2.GenerateRequest:
+    """A GenerateRequest; keyword arguments are DecodingParameters fields (stop: list)."""
+    stop = params.pop("stop", None)
+    dp = generate_pb2.DecodingParameters(**{k: v for k, v in params.items() if v is not None})
+    if stop:
+        dp.stop.extend([stop] if isinstance(stop, str) else stop)
+    return generate_pb2.GenerateRequest(inputs=prompt, cached_prompt=cached_prompt,
+                                        parameters=dp, request_id=request_id)
+
+
+def to_chunk(msg: generate_pb2.GenerateResponse) -> Chunk:
+    chunk = Chunk(text=msg.text)
+    if msg.HasField("token"):
+        chunk.token_id = msg.token.id
+        if msg.token.HasField("logprob"):
+            chunk.logprob = msg.token.logprob
+        chunk.top_logprobs = [(t.id, t.logprob) for t in msg.token.top_logprobs]
+    if msg.finish_reason:
+        chunk.finish_reason = FINISH_REASONS[msg.finish_reason]
+        chunk.prompt_tokens = msg.usage.prompt_tokens
+        chunk.generated_tokens = msg.usage.generated_tokens
+        chunk.cached_tokens = msg.usage.cached_tokens
+    return chunk
+
+
+def collect(chunks) -> Reply:
+    texts, ids, lps, last = [], [], [], None
+    for c in chunks:
+        texts.append(c.text)
+        if c.token_id is not None:
+            ids.append(c.token_id)
+            lps.append(c.logprob)
+        last = c
+    return Reply(text="".join(texts), token_ids=ids, finish_reason=last.finish_reason,
+                 prompt_tokens=last.prompt_tokens, generated_tokens=last.generated_tokens,
+                 cached_tokens=last.cached_tokens, logprobs=lps)
+
+
+class Client:
+    """Blocking client. `stream` yields Chunks as tokens arrive; `generate` returns a Reply."""
+
+    def __init__(self, address: str = "127.0.0.1:8000", timeout: float | None = None):
+        self.channel = grpc.insecure_channel(address)
+        self.stub = generate_pb2_grpc.GenerationStub(self.channel)
+        self.timeout = timeout
+
+    def stream(self, prompt: str, **params: Any) -> Iterator[Chunk]:
+        for msg in self.stub.Generate(build_request(prompt, **params), timeout=self.timeout):
+            yield to_chunk(msg)
+
+    def generate(self, prompt: str, **params: Any) -> Reply:
+        return collect(self.stream(prompt, **params))
+
+    def model_info(self) -> generate_pb2.ModelInfoResponse:
+        return self.stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=self.timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client with the same methods as `Client`."""
+
+    def __init__(self, address: str = "127.0.0.1:8000", timeout: float | None = None):
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = generate_pb2_grpc.GenerationStub(self.channel)
+        self.timeout = timeout
+
+    async def stream(self, prompt: str, **params: Any) -> AsyncIterator[Chunk]:
+        call = self.stub.Generate(build_request(prompt, **params), timeout=self.timeout)
+        async for msg in call:
+            yield to_chunk(msg)
+
+    async def generate(self, prompt: str, **params: Any) -> Reply:
+        return collect([c async for c in self.stream(prompt, **params)])
+
+    async def model_info(self) -> generate_pb2.ModelInfoResponse:
+        return await self.stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=self.timeout)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,69 @@
+"""`seqserve`: command-line client.
+
+    seqserve generate "Once upon a time" --max-new-tokens 50
+    seqserve info
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import grpc
+
+from client.api import Client
+
+
+def _generate(args) -> int:
+    params = dict(max_new_tokens=args.max_new_tokens, decoding_strategy=args.strategy,
+                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                  seed=args.seed, stop=args.stop or None, cached_prompt=args.cached_prompt)
+    with Client(args.address) as client:
+        last = None
+        for chunk in client.stream(args.prompt, **params):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            last = chunk
+    sys.stdout.write("\n")
+    if last is not None and args.verbose:
+        sys.stderr.write(f"[finish_reason={last.finish_reason} prompt_tokens={last.prompt_tokens}"
+                         f" generated_tokens={last.generated_tokens}]\n")
+    return 0
+
+
+def _info(args) -> int:
+    with Client(args.address) as client:
+        sys.stdout.write(str(client.model_info()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="seqserve", description="seqserve client")
+    parser.add_argument("--address", default=os.environ.get("SEQSERVE_ADDRESS", "127.0.0.1:8000"),
+                        help="scheduler host:port (default $SEQSERVE_ADDRESS or 127.0.0.1:8000)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="stream a generation to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-new-tokens", type=int, default=None)
+    gen.add_argument("--strategy", choices=("greedy", "sample", "contrastive"), default=None)
+    gen.add_argument("--temperature", type=float)
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--cached-prompt", default="")
+    gen.add_argument("-v", "--verbose", action="store_true", help="print finish reason and counts")
+    gen.set_defaults(func=_generate)
+    info = sub.add_parser("info", help="show the served model and limits")
+    info.set_defaults(func=_info)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except grpc.RpcError as exc:
+        sys.stderr.write(f"seqserve: {exc.code().name}: {exc.details()}\n")
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,244 @@
+"""The deployment's configuration: one `serving.properties` file read by every process.
+
+The file uses the seed's (DJL LMI) format: `key=value` lines, `#` comments, also at the
+end of a line. Environment variables override the file the LMI way
+(`OPTION_MAX_SPARSITY=0.2` sets `option.max_sparsity`), and command-line flags
+(`--max-sparsity 0.2`) override both. Unknown keys are warned about by name; a bad value
+stops start-up with the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+logger = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names key, value and what is allowed."""
+
+
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("true", "1", "yes", "on"):
+        return True
+    if low in ("false", "0", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+           "fp16": "float16", "float16": "float16", "auto": "auto"}
+
+
+@dataclass(frozen=True)
+class Option:
+    key: str  # name after "option." in the file ("engine" has no prefix)
+    parse: Callable[[str], Any]
+    default: Any
+    allowed: str  # words for error messages
+    check: Callable[[Any], bool] = lambda v: True
+    help: str = ""
+
+
+def _choice(*values: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        v = text.strip().lower()
+        if v not in values:
+            raise ValueError(f"expected one of {', '.join(values)}")
+        return v
+    return parse
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError("expected a finite number")
+    return v
+
+
+def _dtype(text: str) -> str:
+    v = text.strip().lower()
+    if v not in _DTYPES:
+        raise ValueError(f"expected one of {', '.join(_DTYPES)}")
+    return _DTYPES[v]
+
+
+def _addresses(text: str) -> tuple[str, ...]:
+    items = tuple(a.strip() for a in text.split(",") if a.strip())
+    for a in items:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{a!r} is not host:port")
+    return items
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("engine", str, "Python", "any engine name (kept for DJL compatibility)",
+           help="DJL engine name; seqserve runs its own engine whatever it says"),
+    Option("model_id", str, "", "a local model directory or a hub name",
+           help="Hugging Face model directory or hub id"),
+    Option("tensor_parallel_degree", int, 1, "1 (one worker per accelerator)",
+           lambda v: v == 1, "tensor parallelism per worker (only 1)"),
+    Option("dtype", _dtype, "auto", "fp32, bf16, fp16 (or float32, bfloat16, float16, auto)",
+           help="weights dtype; auto: bf16 where supported, else fp32"),
+    Option("trust_remote_code", _bool, False, "true or false",
+           help="run model code shipped with the model (off unless set)"),
+    Option("max_rolling_batch_size", int, 64, "an integer >= 1", lambda v: v >= 1,
+           "most sequences decoded together"),
+    Option("rolling_batch", _choice("scheduler", "auto"), "scheduler", "scheduler",
+           help="rolling batch implementation (seqserve's scheduler)"),
+    Option("max_sparsity", _finite_float, 0.33, "a number in [0, 1]", lambda v: 0 <= v <= 1,
+           "padding fraction tolerated before the batch is split"),
+    Option("max_splits", int, 3, "an integer >= 1", lambda v: v >= 1,
+           "most groups (forward calls) per decoding step"),
+    Option("decoding_strategy", _choice("greedy", "sample", "contrastive"), "greedy",
+           "greedy, sample or contrastive", help="default decoding strategy"),
+    Option("device", _choice("auto", "cpu", "cuda"), "auto", "auto, cpu or cuda",
+           help="worker device; auto picks cuda when available"),
+    Option("host", str, "127.0.0.1", "an address to listen on",
+           help="address the servers listen on (127.0.0.1 keeps them local)"),
+    Option("port", int, 8000, "a port in [0, 65535]", lambda v: 0 <= v <= 65535,
+           "scheduler gRPC port (0: pick a free one)"),
+    Option("http_port", int, 8080, "a port in [0, 65535], or -1 to disable",
+           lambda v: -1 <= v <= 65535, "scheduler HTTP port for POST /invocations"),
+    Option("metrics_port", int, 8001, "a port in [0, 65535], or -1 to disable",
+           lambda v: -1 <= v <= 65535, "scheduler Prometheus /metrics port"),
+    Option("worker_port", int, 8100, "a port in [0, 65535]", lambda v: 0 <= v <= 65535,
+           "worker gRPC port"),
+    Option("worker_metrics_port", int, 8101, "a port in [0, 65535], or -1 to disable",
+           lambda v: -1 <= v <= 65535, "worker Prometheus /metrics port"),
+    Option("worker_addresses", _addresses, ("127.0.0.1:8100",), "comma-separated host:port list",
+           help="workers the scheduler drives"),
+    Option("max_queue", int, 1024, "an integer >= 0", lambda v: v >= 0,
+           "waiting requests at most; past it requests get RESOURCE_EXHAUSTED"),
+    Option("max_new_tokens_limit", int, 4096, "an integer >= 1", lambda v: v >= 1,
+           "largest max_new_tokens a request may ask for"),
+    Option("default_max_new_tokens", int, 64, "an integer >= 1", lambda v: v >= 1,
+           "max_new_tokens when a request does not say"),
+    Option("kv_cache_bytes", int, 4 << 30, "an integer >= 1", lambda v: v >= 1,
+           "worker memory for KV caches (bytes)"),
+    Option("prompt_cache_bytes", int, 512 << 20, "an integer >= 0", lambda v: v >= 0,
+           "worker memory for cached prompt prefixes (bytes)"),
+    Option("worker_timeout", _finite_float, 60.0, "a number of seconds > 0", lambda v: v > 0,
+           "how long the scheduler waits for a worker before failing requests"),
+)
+_BY_KEY = {o.key: o for o in OPTIONS}
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """Every option, typed. Field names are the keys without `option.`."""
+
+    engine: str = "Python"
+    model_id: str = ""
+    tensor_parallel_degree: int = 1
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    max_rolling_batch_size: int = 64
+    rolling_batch: str = "scheduler"
+    max_sparsity: float = 0.33
+    max_splits: int = 3
+    decoding_strategy: str = "greedy"
+    device: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    http_port: int = 8080
+    metrics_port: int = 8001
+    worker_port: int = 8100
+    worker_metrics_port: int = 8101
+    worker_addresses: tuple[str, ...] = ("127.0.0.1:8100",)
+    max_queue: int = 1024
+    max_new_tokens_limit: int = 4096
+    default_max_new_tokens: int = 64
+    kv_cache_bytes: int = 4 << 30
+    prompt_cache_bytes: int = 512 << 20
+    worker_timeout: float = 60.0
+
+
+assert [f.name for f in fields(ServingConfig)] == [o.key for o in OPTIONS]
+
+
+def parse_properties(text: str, source: str = "serving.properties") -> dict[str, str]:
+    """`key=value` lines; full-line and trailing `#` comments; blank lines ignored."""
+    out: dict[str, str] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        key, sep, value = line.partition("=")
+        if not sep:
+            raise ConfigError(f"{source}:{n}: expected key=value, got {line!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _option_key(raw: str) -> str | None:
+    key = raw.strip()
+    if key == "engine":
+        return key
+    if key.startswith("option."):
+        return key[len("option."):]
+    return None
+
+
+def _convert(key: str, raw: str, origin: str) -> Any:
+    opt = _BY_KEY[key]
+    name = "engine" if key == "engine" else f"option.{key}"
+    try:
+        value = opt.parse(raw)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{name}={raw!r} ({origin}) is invalid: {exc}; allowed: {opt.allowed}") from None
+    if not opt.check(value):
+        raise ConfigError(f"{name}={raw!r} ({origin}) is out of range; allowed: {opt.allowed}")
+    return value
+
+
+def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, str] | None = None) -> ServingConfig:
+    """File, then `OPTION_*` environment variables, then flag overrides (raw strings)."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        for raw_key, raw in parse_properties(text, str(path)).items():
+            key = _option_key(raw_key)
+            if key not in _BY_KEY:
+                logger.warning("%s: unknown key %r ignored", path, raw_key)
+                continue
+            values[key] = _convert(key, raw, str(path))
+    for var, raw in env.items():
+        if var.startswith("OPTION_"):
+            key = var[len("OPTION_"):].lower()
+            if key not in _BY_KEY:
+                logger.warning("environment: unknown option %s ignored", var)
+                continue
+            values[key] = _convert(key, raw, f"environment {var}")
+        elif var == "SERVING_ENGINE":
+            values["engine"] = raw
+    for key, raw in (overrides or {}).items():
+        if raw is not None:
+            values[key] = _convert(key, str(raw), f"flag --{key.replace('_', '-')}")
+    return ServingConfig(**values)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """--properties FILE and one flag per option (e.g. --max-sparsity)."""
+    parser.add_argument("--properties", metavar="FILE",
+                        help="serving.properties file (default: $SERVING_PROPERTIES if set)")
+    group = parser.add_argument_group("options (override the file and OPTION_* variables)")
+    for opt in OPTIONS:
+        group.add_argument(f"--{opt.key.replace('_', '-')}", dest=f"opt_{opt.key}", metavar="V",
+                           help=f"{opt.help} [{opt.allowed}; default {opt.default}]")
+
+
+def config_from_args(args: argparse.Namespace) -> ServingConfig:
+    overrides = {o.key: getattr(args, f"opt_{o.key}") for o in OPTIONS}
+    path = args.properties or os.environ.get("SERVING_PROPERTIES") or None
+    return load_config(path, overrides=overrides)

@@ -1,0 +1,260 @@
+"""The iteration loop: admit, plan, one Step on the worker, stream tokens, finish.
+
+Orca-style iteration-level scheduling: requests join and leave the running batch at
+every step. The pure decisions live in admission.py and batch_plan.py; this module does
+the I/O around them and keeps the request bookkeeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+
+import grpc
+
+from scheduler_service.admission import AdmissionPolicy, Budget, FCFSAdmission
+from scheduler_service.batch_plan import BatchPlanner, StepPlan
+from scheduler_service.metrics import SchedulerMetrics
+from scheduler_service.sequence import (FinishEvent, FinishReason, Sequence, Status,
+                                        TokenEvent)
+from scheduler_service.waiting_queue import WaitingQueue
+from scheduler_service.worker_client import WorkerClient, WorkerUnavailable
+from seqserve.worker.v1 import worker_pb2
+
+logger = logging.getLogger(__name__)
+
+_STRATEGY = {"greedy": worker_pb2.SamplingParams.STRATEGY_GREEDY,
+             "sample": worker_pb2.SamplingParams.STRATEGY_SAMPLE,
+             "contrastive": worker_pb2.SamplingParams.STRATEGY_CONTRASTIVE}
+
+
+class IterationLoop:
+    def __init__(self, worker: WorkerClient, *, max_rolling_batch_size: int, max_queue: int,
+                 max_sparsity: float, max_splits: int, worker_timeout: float,
+                 metrics: SchedulerMetrics, policy: AdmissionPolicy | None = None):
+        assert worker.info is not None, "connect the worker before starting the loop"
+        self.worker = worker
+        self.info = worker.info
+        self.eos_ids = frozenset(self.info.eos_token_ids)
+        self.max_batch = max_rolling_batch_size
+        self.kv_budget = int(self.info.kv_capacity_tokens)
+        self.worker_timeout = worker_timeout
+        self.metrics = metrics
+        self.waiting = WaitingQueue(max_queue)
+        self.running: dict[int, Sequence] = {}
+        self.to_release: list[int] = []
+        self.policy = policy or FCFSAdmission()
+        self.planner = BatchPlanner(max_sparsity, max_splits)
+        self.step_id = 0
+        self.admitting = True
+        self._wakeup = asyncio.Event()
+        self._next_id = 1
+        self._stopped = False
+
+    # --- called by the RPC handlers ------------------------------------------------------
+
+    def new_seq_id(self) -> int:
+        sid, self._next_id = self._next_id, self._next_id + 1
+        return sid
+
+    def submit(self, seq: Sequence) -> None:
+        """Queue a request (raises QueueFull)."""
+        self.waiting.push(seq)
+        self.metrics.requests_received.inc()
+        self.metrics.queue_size.set(len(self.waiting))
+        self._wakeup.set()
+
+    def cancel(self, seq: Sequence) -> None:
+        """The client went away: drop the request now; its KV is released next step."""
+        if seq.finished:
+            return
+        if self.waiting.remove(seq):
+            self.metrics.queue_size.set(len(self.waiting))
+        self._finish(seq, FinishReason.CANCELLED, emit=False)
+        self._wakeup.set()
+
+    def idle(self) -> bool:
+        return not self.running and not len(self.waiting)
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+
+    # --- the loop --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while not self._stopped:
+            if not self.running and not (self.admitting and len(self.waiting)):
+                if self.to_release:
+                    await self._step(self._plan([]))  # free the worker's KV now
+                    continue
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            admitted = self._admit() if self.admitting else []
+            if not self.running and not admitted:
+                # The head request cannot fit even an empty batch: it never will.
+                head = self.waiting.pop()
+                self._fail(head, f"request needs {head.reserved_tokens} KV tokens; the "
+                                 f"worker holds {self.kv_budget}")
+                continue
+            await self._step(self._plan(admitted))
+
+    def _admit(self) -> list[Sequence]:
+        reserved = sum(s.reserved_tokens for s in self.running.values())
+        budget = Budget(self.max_batch - len(self.running), self.kv_budget - reserved)
+        admitted = self.policy.admit(self.waiting, budget)
+        now = time.monotonic()
+        for s in admitted:
+            s.status = Status.RUNNING
+            if s.scheduled_time is None:
+                s.scheduled_time = now
+                self.metrics.queue_time.observe(now - s.arrival_time)
+            if s.sampling_seed is None:
+                s.sampling_seed = random.getrandbits(63)
+        self.metrics.queue_size.set(len(self.waiting))
+        return admitted
+
+    def _plan(self, admitted: list[Sequence]) -> StepPlan:
+        running = list(self.running.values())
+        release, self.to_release = self.to_release, []
+        plan = self.planner.plan(running, admitted, release)
+        for s in admitted:
+            self.running[s.seq_id] = s
+        return plan
+
+    def _request(self, plan: StepPlan) -> worker_pb2.StepRequest:
+        self.step_id += 1
+        prefill = []
+        for s in plan.prefill:
+            p = s.params
+            prefill.append(worker_pb2.NewSequence(
+                sequence_id=s.seq_id, token_ids=s.prompt_ids + s.output_ids,
+                num_generated=len(s.output_ids),
+                params=worker_pb2.SamplingParams(
+                    strategy=_STRATEGY[p.strategy], temperature=p.temperature, top_k=p.top_k,
+                    top_p=p.top_p, typical_p=p.typical_p, repetition_penalty=p.repetition_penalty,
+                    seed=s.sampling_seed, penalty_alpha=p.penalty_alpha, logprobs=p.logprobs)))
+        return worker_pb2.StepRequest(
+            step_id=self.step_id, release=plan.release, prefill=prefill,
+            groups=[worker_pb2.Group(sequence_ids=g) for g in plan.groups])
+
+    async def _step(self, plan: StepPlan) -> None:
+        t0 = time.perf_counter()
+        request = self._request(plan)
+        t1 = time.perf_counter()
+        try:
+            response = await self.worker.step(request)
+        except grpc.aio.AioRpcError as exc:
+            await self._recover(exc)
+            return
+        t2 = time.perf_counter()
+        for tok in response.tokens:
+            self._on_token(tok)
+        t3 = time.perf_counter()
+        self._observe(plan, response, t1 - t0, t2 - t1, t3 - t2)
+
+    def _observe(self, plan: StepPlan, response, plan_s: float, rpc_s: float, post_s: float):
+        m = self.metrics
+        worker_s = response.timings.total_seconds
+        m.step_time.labels("plan").observe(plan_s)
+        m.step_time.labels("worker").observe(worker_s)
+        m.step_time.labels("rpc").observe(max(rpc_s - worker_s, 0.0))
+        m.step_time.labels("postprocess").observe(post_s)
+        if plan.groups:
+            m.batch_size.observe(sum(len(g) for g in plan.groups))
+            m.splits.observe(len(plan.groups))
+            m.sparsity.observe(plan.partition.sparsity)
+        if plan.regrouped:
+            m.regroups.inc()
+        m.padded_slots.set(response.kv_slots)
+        m.real_tokens.set(response.kv_tokens)
+        m.regroup_bytes.inc(response.regroup_bytes)
+        m.running.set(len(self.running))
+        reserved = sum(s.reserved_tokens for s in self.running.values())
+        m.kv_budget_used.set(reserved / self.kv_budget if self.kv_budget else 0.0)
+
+    # --- tokens and endings -----------------------------------------------------------------
+
+    def _on_token(self, tok: worker_pb2.SequenceToken) -> None:
+        seq = self.running.get(tok.sequence_id)
+        if seq is None:
+            return  # cancelled while the step ran
+        now = time.monotonic()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self.metrics.ttft.observe(now - seq.arrival_time)
+            self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
+            seq.cached_tokens = tok.cached_tokens
+        elif seq.last_token_time is not None:
+            self.metrics.itl.observe(now - seq.last_token_time)
+        seq.last_token_time = now
+        self.metrics.generation_tokens.inc()
+        token = tok.token_id
+        seq.output_ids.append(token)
+        text, stopped = seq.stops.feed(seq.detokenizer.add(token))
+        logprob = tok.logprob if tok.HasField("logprob") else None
+        top = [(t.id, t.logprob) for t in tok.top_logprobs] if logprob is not None else None
+        seq.events.put_nowait(TokenEvent(token, text, logprob, top))
+        if stopped:
+            self._finish(seq, FinishReason.STOP)
+        elif token in self.eos_ids and not seq.params.ignore_eos:
+            self._finish(seq, FinishReason.EOS)
+        elif len(seq.output_ids) >= seq.params.max_new_tokens:
+            self._finish(seq, FinishReason.LENGTH)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, emit: bool = True,
+                error: str | None = None) -> None:
+        tail = ""
+        if reason in (FinishReason.EOS, FinishReason.LENGTH):
+            tail, stopped = seq.stops.feed(seq.detokenizer.flush())
+            if stopped:
+                reason = FinishReason.STOP
+            else:
+                tail += seq.stops.flush()
+        was_running = self.running.pop(seq.seq_id, None) is not None
+        if was_running:
+            self.to_release.append(seq.seq_id)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        now = time.monotonic()
+        self.metrics.requests_finished.labels(reason.value).inc()
+        if seq.first_token_time is not None:
+            self.metrics.e2e.observe(now - seq.arrival_time)
+        if emit:
+            seq.events.put_nowait(FinishEvent(reason, tail, len(seq.prompt_ids),
+                                              len(seq.output_ids), seq.cached_tokens, error))
+
+    def _fail(self, seq: Sequence, error: str) -> None:
+        self._finish(seq, FinishReason.ERROR, error=error)
+
+    # --- worker failure ---------------------------------------------------------------------
+
+    async def _recover(self, exc: grpc.aio.AioRpcError) -> None:
+        """The worker failed a Step: wait for it, then re-admit every running sequence by
+        prefilling its prompt plus the tokens already sent, so no token is lost."""
+        logger.warning("step %d failed (%s: %s); re-admitting %d running sequences",
+                       self.step_id, exc.code().name, exc.details(), len(self.running))
+        self.metrics.worker_up.set(0)
+        readmit = list(self.running.values())
+        self.running.clear()
+        self.to_release.clear()
+        self.planner.forget()
+        for s in readmit:
+            s.status = Status.WAITING
+        self.waiting.push_front(readmit)
+        try:
+            self.info = await self.worker.wait_ready(self.worker_timeout)
+        except WorkerUnavailable as err:
+            logger.error("%s; failing %d requests", err, len(self.waiting))
+            while len(self.waiting):
+                self._fail(self.waiting.pop(), f"no worker available: {err}")
+            self.metrics.queue_size.set(0)
+            # Keep serving: a worker may come back later for new requests.
+            try:
+                self.info = await self.worker.wait_ready(None)
+            except asyncio.CancelledError:
+                raise
+        self.metrics.worker_up.set(1)

@@ -1,0 +1,128 @@
+"""`seqserve-scheduler`: the public gRPC API, the iteration loop, and metrics."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from scheduler_service.config import ConfigError, ServingConfig, add_config_arguments, config_from_args
+from scheduler_service.loop import IterationLoop
+from scheduler_service.metrics import SchedulerMetrics
+from scheduler_service.params import Limits
+from scheduler_service.partition import validate_limits
+from scheduler_service.servicer import GenerationServicer, ServingState
+from scheduler_service.worker_client import WorkerClient
+from seqserve.v1 import generate_pb2, generate_pb2_grpc
+from worker_service.main import write_port_file
+
+logger = logging.getLogger("seqserve.scheduler")
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+MAX_MESSAGE_BYTES = 4 << 20
+
+
+async def serve(cfg: ServingConfig, port_file: str | None) -> int:
+    from transformers import AutoTokenizer
+
+    metrics = SchedulerMetrics()
+    servicer = GenerationServicer()
+    health_servicer = health.aio.HealthServicer()
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME,
+                                         reflection.SERVICE_NAME), server)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    await server.start()
+    metrics_port = -1
+    if cfg.metrics_port >= 0:
+        httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=metrics.registry)
+        metrics_port = httpd.server_port
+    logger.info("scheduler listening on %s:%d (metrics %d); loading tokenizer of %s",
+                cfg.host, port, metrics_port, cfg.model_id)
+
+    stop = asyncio.Event()
+    aloop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aloop.add_signal_handler(sig, stop.set)
+
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, cfg.model_id,
+                                        trust_remote_code=cfg.trust_remote_code)
+    worker = WorkerClient(cfg.worker_addresses[0])
+    ready = asyncio.ensure_future(worker.wait_ready(None))
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if not ready.done():
+        ready.cancel()
+        await server.stop(0)
+        return 0
+    info = ready.result()
+    loop = IterationLoop(worker, max_rolling_batch_size=cfg.max_rolling_batch_size,
+                         max_queue=cfg.max_queue, max_sparsity=cfg.max_sparsity,
+                         max_splits=cfg.max_splits, worker_timeout=cfg.worker_timeout,
+                         metrics=metrics)
+    limits = Limits(vocab_size=info.vocab_size,
+                    max_position_embeddings=info.max_position_embeddings,
+                    max_new_tokens_limit=cfg.max_new_tokens_limit,
+                    default_max_new_tokens=cfg.default_max_new_tokens,
+                    default_strategy=cfg.decoding_strategy)
+    model_info = generate_pb2.ModelInfoResponse(
+        model_id=cfg.model_id, architecture=info.architecture, vocab_size=info.vocab_size,
+        max_position_embeddings=info.max_position_embeddings, dtype=info.dtype,
+        device=info.device, max_new_tokens_limit=cfg.max_new_tokens_limit,
+        decoding_strategy=cfg.decoding_strategy,
+        max_rolling_batch_size=cfg.max_rolling_batch_size, max_sparsity=cfg.max_sparsity,
+        max_splits=cfg.max_splits, kv_budget_tokens=loop.kv_budget,
+        eos_token_ids=list(info.eos_token_ids))
+    servicer.state = ServingState(loop, tokenizer, limits, model_info)
+    metrics.worker_up.set(1)
+    loop_task = asyncio.create_task(loop.run())
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    write_port_file(port_file, {"grpc": port, "metrics": metrics_port})
+    logger.info("ready: connect to %s:%d (seqserve.v1.Generation)", cfg.host, port)
+
+    await stopped
+    logger.info("shutting down: no new requests; draining %d running, %d waiting",
+                len(loop.running), len(loop.waiting))
+    servicer.draining = True
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(grace=30)
+    loop.stop()
+    loop_task.cancel()
+    await worker.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="seqserve-scheduler", description=__doc__)
+    add_config_arguments(parser)
+    parser.add_argument("--port-file", help="write the bound ports as JSON to this file")
+    parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = config_from_args(args)
+        validate_limits(cfg.max_sparsity, cfg.max_splits)
+        if not cfg.model_id:
+            raise ConfigError("option.model_id is not set; pass --model-id DIR or set it in "
+                              "serving.properties")
+    except (ConfigError, ValueError) as exc:
+        parser.error(str(exc))
+    return asyncio.run(serve(cfg, args.port_file))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

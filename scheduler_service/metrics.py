@@ -1,0 +1,68 @@
+"""Prometheus metrics of the scheduler (namespace seqserve_); see docs/metrics.md."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_STEP = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_SPARSITY = (0.0, 0.01, 0.025, 0.05, 0.1, 0.2, 0.33, 0.5, 0.6, 0.75, 0.9, 1.0)
+_SPLITS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+_BATCH = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 512)
+
+
+class SchedulerMetrics:
+    """Everything the scheduler exports, in a registry of its own."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = r = registry or CollectorRegistry()
+        self.requests_received = Counter("seqserve_requests_received_total",
+                                         "Requests accepted into the waiting queue", registry=r)
+        self.requests_finished = Counter("seqserve_requests_finished_total",
+                                         "Requests finished, by reason", ["reason"], registry=r)
+        self.requests_failed = Counter("seqserve_requests_failed_total",
+                                       "Requests refused or failed, by gRPC status code",
+                                       ["code"], registry=r)
+        self.queue_size = Gauge("seqserve_num_requests_waiting", "Requests in the waiting queue",
+                                registry=r)
+        self.running = Gauge("seqserve_num_requests_running", "Sequences in the running batch",
+                             registry=r)
+        self.batch_size = Histogram("seqserve_batch_size", "Sequences run per step",
+                                    buckets=_BATCH, registry=r)
+        self.splits = Histogram("seqserve_batch_splits", "Groups (forward calls) per step",
+                                buckets=_SPLITS, registry=r)
+        self.sparsity = Histogram("seqserve_batch_sparsity",
+                                  "Padding fraction of the step's partition",
+                                  buckets=_SPARSITY, registry=r)
+        self.padded_slots = Gauge("seqserve_kv_padded_slots",
+                                  "KV slots of the current partition, padding included",
+                                  registry=r)
+        self.real_tokens = Gauge("seqserve_kv_tokens", "KV tokens of running sequences",
+                                 registry=r)
+        self.regroup_bytes = Counter("seqserve_regroup_bytes_total",
+                                     "KV bytes workers copied to follow partition changes",
+                                     registry=r)
+        self.regroups = Counter("seqserve_regroups_total",
+                                "Steps whose partition was recomputed", registry=r)
+        self.kv_budget_used = Gauge("seqserve_kv_budget_used_ratio",
+                                    "Share of the KV token budget reserved by running requests",
+                                    registry=r)
+        self.ttft = Histogram("seqserve_time_to_first_token_seconds",
+                              "Arrival to first token", buckets=_LATENCY, registry=r)
+        self.itl = Histogram("seqserve_inter_token_latency_seconds",
+                             "Time between consecutive tokens of a request",
+                             buckets=_STEP + (10.0,), registry=r)
+        self.e2e = Histogram("seqserve_e2e_request_latency_seconds",
+                             "Arrival to last token", buckets=_LATENCY, registry=r)
+        self.queue_time = Histogram("seqserve_request_queue_time_seconds",
+                                    "Arrival to admission", buckets=_LATENCY, registry=r)
+        self.step_time = Histogram("seqserve_step_seconds",
+                                   "Step time by phase: plan, rpc (control round trip minus "
+                                   "worker time), worker, postprocess", ["phase"],
+                                   buckets=_STEP, registry=r)
+        self.prompt_tokens = Counter("seqserve_prompt_tokens_total", "Prompt tokens prefilled",
+                                     registry=r)
+        self.generation_tokens = Counter("seqserve_generation_tokens_total",
+                                         "Tokens generated", registry=r)
+        self.worker_up = Gauge("seqserve_workers_ready", "Workers connected and serving",
+                               registry=r)

@@ -1,0 +1,163 @@
+"""Request validation: from what a client sent to typed, range-checked decoding parameters.
+
+The same rules serve the gRPC API and the HTTP /invocations route, so both take a plain
+mapping of parameter names to values. Every error names the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+MAX_STOP_STRINGS = 8
+MAX_STOP_LENGTH = 256
+MAX_LOGPROBS = 5
+STRATEGIES = ("greedy", "sample", "contrastive")
+
+
+class RequestError(ValueError):
+    """The request is invalid; the message says which field and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Server-side bounds and defaults the rules depend on."""
+
+    vocab_size: int
+    max_position_embeddings: int
+    max_new_tokens_limit: int
+    default_max_new_tokens: int
+    default_strategy: str = "greedy"
+
+
+@dataclass(frozen=True)
+class DecodingConfig:
+    """A request's resolved decoding parameters."""
+
+    max_new_tokens: int
+    strategy: str
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    penalty_alpha: float = 0.6
+    logprobs: int = -1  # -1: not requested
+
+
+KNOWN = frozenset({"max_new_tokens", "decoding_strategy", "do_sample", "temperature", "top_k",
+                   "top_p", "typical_p", "repetition_penalty", "seed", "stop", "ignore_eos",
+                   "penalty_alpha", "logprobs"})
+CONTRASTIVE_DEFAULT_TOP_K = 4
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RequestError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise RequestError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def _integer(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise RequestError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _in_range(name: str, value: float, lo: float, hi: float, lo_open: bool = False,
+              hi_open: bool = False) -> None:
+    ok = (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
+    if not ok:
+        left = "(" if lo_open else "["
+        right = ")" if hi_open else "]"
+        hi_text = "inf" if math.isinf(hi) else f"{hi:g}"
+        raise RequestError(f"{name} must be in {left}{lo:g}, {hi_text}{right}, got {value:g}")
+
+
+def resolve(params: Mapping[str, Any], limits: Limits, prompt_tokens: int) -> DecodingConfig:
+    """Check every given parameter and fill the rest from the server's defaults."""
+    unknown = sorted(set(params) - KNOWN)
+    if unknown:
+        raise RequestError(f"unknown parameter {unknown[0]!r}; known parameters: "
+                           f"{', '.join(sorted(KNOWN))}")
+    p = dict(params)
+    strategy = p.get("decoding_strategy")
+    if strategy is not None:
+        if not isinstance(strategy, str) or strategy not in STRATEGIES:
+            raise RequestError(f"decoding_strategy must be one of {', '.join(STRATEGIES)}, "
+                               f"got {strategy!r}")
+    elif "do_sample" in p:
+        if not isinstance(p["do_sample"], bool):
+            raise RequestError(f"do_sample must be true or false, got {p['do_sample']!r}")
+        strategy = "sample" if p["do_sample"] else "greedy"
+    else:
+        strategy = limits.default_strategy
+
+    max_new = _integer("max_new_tokens", p.get("max_new_tokens", limits.default_max_new_tokens))
+    _in_range("max_new_tokens", max_new, 1, limits.max_new_tokens_limit)
+    if prompt_tokens + max_new > limits.max_position_embeddings:
+        raise RequestError(
+            f"prompt of {prompt_tokens} tokens plus max_new_tokens {max_new} exceeds the "
+            f"model's context of {limits.max_position_embeddings} tokens; shorten the prompt "
+            f"to at most {limits.max_position_embeddings - max_new} tokens or lower max_new_tokens")
+
+    temperature = _number("temperature", p.get("temperature", 1.0))
+    _in_range("temperature", temperature, 0, math.inf, lo_open=True)
+    default_k = CONTRASTIVE_DEFAULT_TOP_K if strategy == "contrastive" else 0
+    top_k = _integer("top_k", p.get("top_k", default_k))
+    _in_range("top_k", top_k, 1 if strategy == "contrastive" else 0, limits.vocab_size)
+    top_p = _number("top_p", p.get("top_p", 1.0))
+    _in_range("top_p", top_p, 0, 1, lo_open=True)
+    typical_p = _number("typical_p", p.get("typical_p", 1.0))
+    _in_range("typical_p", typical_p, 0, 1, lo_open=True)
+    rep = _number("repetition_penalty", p.get("repetition_penalty", 1.0))
+    _in_range("repetition_penalty", rep, 0, math.inf, lo_open=True)
+    seed = p.get("seed")
+    if seed is not None:
+        seed = _integer("seed", seed)
+        _in_range("seed", seed, 0, 2**63 - 1)
+    stop = p.get("stop", ())
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise RequestError("stop must be a list of strings")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise RequestError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    for s in stop:
+        if not s or len(s) > MAX_STOP_LENGTH:
+            raise RequestError(f"each stop string must have 1 to {MAX_STOP_LENGTH} characters, "
+                               f"got {len(s)}")
+    ignore_eos = p.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise RequestError(f"ignore_eos must be true or false, got {ignore_eos!r}")
+    alpha = _number("penalty_alpha", p.get("penalty_alpha", 0.6))
+    _in_range("penalty_alpha", alpha, 0, 1)
+    logprobs = p.get("logprobs")
+    if logprobs is None:
+        logprobs = -1
+    else:
+        logprobs = _integer("logprobs", logprobs)
+        _in_range("logprobs", logprobs, 0, MAX_LOGPROBS)
+    return DecodingConfig(
+        max_new_tokens=max_new, strategy=strategy, temperature=temperature, top_k=top_k,
+        top_p=top_p, typical_p=typical_p, repetition_penalty=rep, seed=seed,
+        stop=tuple(stop), ignore_eos=ignore_eos, penalty_alpha=alpha, logprobs=logprobs)
+
+
+def check_text(name: str, text: str, required: bool) -> None:
+    """Prompt text rules: non-empty when required, no NUL characters, no lone surrogates."""
+    if required and not text:
+        raise RequestError(f"{name} is empty; send the prompt text")
+    if "\x00" in text:
+        raise RequestError(f"{name} contains a NUL character")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(f"{name} is not valid UTF-8") from None

@@ -1,0 +1,83 @@
+"""A request as the scheduler tracks it, from waiting to finished."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from scheduler_service.detokenizer import IncrementalDetokenizer, StopMatcher
+from scheduler_service.params import DecodingConfig
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(Enum):
+    LENGTH = "length"
+    EOS = "eos"
+    STOP = "stop"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass
+class TokenEvent:
+    """One generated token and the text it completed."""
+
+    token_id: int
+    text: str
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class FinishEvent:
+    """The end of a generation: remaining text and counts."""
+
+    reason: FinishReason
+    text: str
+    prompt_tokens: int
+    generated_tokens: int
+    cached_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class Sequence:
+    """One request. The loop fills `events`; the RPC handler drains it to the client."""
+
+    seq_id: int
+    request_id: str
+    prompt_ids: list[int]
+    params: DecodingConfig
+    detokenizer: IncrementalDetokenizer
+    stops: StopMatcher
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    cached_tokens: int = 0
+    sampling_seed: int | None = None  # fixed at admission so a re-prefill draws the same
+    arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    @property
+    def length(self) -> int:
+        """KV length: prompt plus generated tokens (what the partition balances)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """KV tokens this request may grow to; admission reserves them up front."""
+        return len(self.prompt_ids) + self.params.max_new_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED

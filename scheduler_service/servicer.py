@@ -1,0 +1,160 @@
+"""The public gRPC API (seqserve.v1.Generation): validate, tokenize, queue, stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any, AsyncIterator
+
+import grpc
+from google.protobuf import unknown_fields
+
+from scheduler_service.detokenizer import IncrementalDetokenizer, StopMatcher
+from scheduler_service.loop import IterationLoop
+from scheduler_service.params import Limits, RequestError, check_text, resolve
+from scheduler_service.sequence import FinishEvent, FinishReason, Sequence, TokenEvent
+from scheduler_service.waiting_queue import QueueFull
+from seqserve.v1 import generate_pb2, generate_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_FINISH = {FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
+           FinishReason.EOS: generate_pb2.FINISH_REASON_EOS,
+           FinishReason.STOP: generate_pb2.FINISH_REASON_STOP}
+_OPTIONAL = ("max_new_tokens", "decoding_strategy", "do_sample", "temperature", "top_k", "top_p",
+             "typical_p", "repetition_penalty", "seed", "ignore_eos", "penalty_alpha", "logprobs")
+
+
+def params_to_dict(p: generate_pb2.DecodingParameters) -> dict[str, Any]:
+    """The fields the client set (proto3 presence), as the validator's mapping."""
+    out = {name: getattr(p, name) for name in _OPTIONAL if p.HasField(name)}
+    if p.stop:
+        out["stop"] = list(p.stop)
+    return out
+
+
+class ServingState:
+    """What the handlers need once the worker is connected; None before (not ready)."""
+
+    def __init__(self, loop: IterationLoop, tokenizer, limits: Limits, model_info):
+        self.loop, self.tokenizer, self.limits, self.model_info = loop, tokenizer, limits, model_info
+
+
+class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+    def __init__(self):
+        self.state: ServingState | None = None
+        self.draining = False
+
+    async def _ready(self, context) -> ServingState:
+        if self.state is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the server is starting: no worker connected yet; retry")
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the server is shutting down and admits no new requests")
+        return self.state
+
+    async def new_sequence(self, state: ServingState, inputs: str, cached_prompt: str,
+                           params: dict[str, Any], request_id: str) -> Sequence:
+        """Validate and tokenize one request (raises RequestError)."""
+        check_text("inputs", inputs, required=True)
+        check_text("cached_prompt", cached_prompt, required=False)
+        text = cached_prompt + inputs
+        ids = await asyncio.to_thread(lambda: state.tokenizer(text).input_ids)
+        if not ids:
+            raise RequestError("inputs tokenized to no tokens; send some text")
+        cfg = resolve(params, state.limits, len(ids))
+        loop = state.loop
+        if len(ids) + cfg.max_new_tokens > loop.kv_budget:
+            raise RequestError(f"prompt plus max_new_tokens needs {len(ids) + cfg.max_new_tokens}"
+                               f" KV tokens; the workers hold {loop.kv_budget}")
+        return Sequence(
+            seq_id=loop.new_seq_id(), request_id=request_id or uuid.uuid4().hex,
+            prompt_ids=list(ids), params=cfg,
+            detokenizer=IncrementalDetokenizer(state.tokenizer, ids),
+            stops=StopMatcher(cfg.stop), sampling_seed=cfg.seed)
+
+    async def _start(self, request, context) -> tuple[ServingState, Sequence]:
+        state = await self._ready(context)
+        try:
+            if len(unknown_fields.UnknownFieldSet(request)) or (
+                    request.HasField("parameters")
+                    and len(unknown_fields.UnknownFieldSet(request.parameters))):
+                raise RequestError("the request has fields this server does not know; "
+                                   "check the client's seqserve.v1 proto")
+            seq = await self.new_sequence(state, request.inputs, request.cached_prompt,
+                                          params_to_dict(request.parameters), request.request_id)
+            state.loop.submit(seq)
+        except RequestError as exc:
+            state.loop.metrics.requests_failed.labels("INVALID_ARGUMENT").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFull as exc:
+            state.loop.metrics.requests_failed.labels("RESOURCE_EXHAUSTED").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        return state, seq
+
+    async def events(self, state: ServingState, seq: Sequence) -> AsyncIterator:
+        """The sequence's events until its end; cancels it if the caller goes away."""
+        done = False
+        try:
+            while True:
+                event = await seq.events.get()
+                if isinstance(event, FinishEvent):
+                    done = True
+                yield event
+                if done:
+                    return
+        finally:
+            if not done:
+                state.loop.cancel(seq)
+
+    async def Generate(self, request, context):
+        state, seq = await self._start(request, context)
+        async for event in self.events(state, seq):
+            if isinstance(event, TokenEvent):
+                yield generate_pb2.GenerateResponse(
+                    request_id=seq.request_id, token=_token(event), text=event.text)
+            else:
+                await _abort_on_error(state, event, context)
+                yield generate_pb2.GenerateResponse(
+                    request_id=seq.request_id, text=event.text,
+                    finish_reason=_FINISH[event.reason], usage=_usage(event))
+
+    async def GenerateUnary(self, request, context):
+        state, seq = await self._start(request, context)
+        texts, tokens = [], []
+        async for event in self.events(state, seq):
+            texts.append(event.text)
+            if isinstance(event, TokenEvent):
+                tokens.append(_token(event))
+            else:
+                await _abort_on_error(state, event, context)
+                return generate_pb2.GenerateReply(
+                    request_id=seq.request_id, generated_text="".join(texts),
+                    finish_reason=_FINISH[event.reason], usage=_usage(event), tokens=tokens)
+
+    async def ModelInfo(self, request, context):
+        state = await self._ready(context)
+        return state.model_info
+
+
+async def _abort_on_error(state: ServingState, event: FinishEvent, context) -> None:
+    if event.reason == FinishReason.ERROR:
+        state.loop.metrics.requests_failed.labels("UNAVAILABLE").inc()
+        await context.abort(grpc.StatusCode.UNAVAILABLE, event.error or "generation failed")
+
+
+def _token(event: TokenEvent) -> generate_pb2.Token:
+    tok = generate_pb2.Token(id=event.token_id)
+    if event.logprob is not None:
+        tok.logprob = event.logprob
+        tok.top_logprobs.extend(generate_pb2.TopLogprob(id=i, logprob=lp)
+                                for i, lp in (event.top or []))
+    return tok
+
+
+def _usage(event: FinishEvent) -> generate_pb2.Usage:
+    return generate_pb2.Usage(prompt_tokens=event.prompt_tokens,
+                              generated_tokens=event.generated_tokens,
+                              cached_tokens=event.cached_tokens)

@@ -1,0 +1,48 @@
+"""The bounded FCFS waiting queue."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterator
+
+from scheduler_service.sequence import Sequence
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its limit; the request is refused at once."""
+
+
+class WaitingQueue:
+    """First come, first served, with at most `max_size` requests."""
+
+    def __init__(self, max_size: int):
+        self.max_size = max_size
+        self._items: deque[Sequence] = deque()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self._items)
+
+    def push(self, seq: Sequence) -> None:
+        if len(self._items) >= self.max_size:
+            raise QueueFull(f"the waiting queue is full ({self.max_size} requests); retry later")
+        self._items.append(seq)
+
+    def push_front(self, seqs: list[Sequence]) -> None:
+        """Put re-admitted sequences back at the head, in their original order."""
+        self._items.extendleft(reversed(seqs))
+
+    def peek(self) -> Sequence | None:
+        return self._items[0] if self._items else None
+
+    def pop(self) -> Sequence:
+        return self._items.popleft()
+
+    def remove(self, seq: Sequence) -> bool:
+        try:
+            self._items.remove(seq)
+            return True
+        except ValueError:
+            return False

@@ -1,0 +1,60 @@
+"""The scheduler's connection to one worker (seqserve.worker.v1 over gRPC)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+class WorkerUnavailable(RuntimeError):
+    """No worker answered within the configured time."""
+
+
+class WorkerClient:
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self.info: worker_pb2.InfoResponse | None = None
+
+    async def step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
+        return await self.stub.Step(request)
+
+    async def reset(self) -> None:
+        await self.stub.Reset(worker_pb2.ResetRequest(), timeout=30)
+
+    async def wait_ready(self, timeout: float | None) -> worker_pb2.InfoResponse:
+        """Poll Info until the worker has its model loaded; then drop its old sequences."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last_log = 0.0
+        while True:
+            try:
+                info = await self.stub.Info(worker_pb2.InfoRequest(), timeout=2)
+                await self.reset()
+                self.info = info
+                logger.info("worker %s ready: %s (%s, %s), instance %s", self.address,
+                            info.model_id, info.dtype, info.device, info.instance_id[:8])
+                return info
+            except grpc.aio.AioRpcError as exc:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise WorkerUnavailable(
+                        f"worker {self.address} did not answer within {timeout:g} s "
+                        f"({exc.code().name}: {exc.details()})") from None
+                if now - last_log > 10:
+                    logger.info("waiting for worker %s (%s)", self.address, exc.code().name)
+                    last_log = now
+                await asyncio.sleep(0.2)
+
+    async def close(self) -> None:
+        await self.channel.close()

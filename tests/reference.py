@@ -1,0 +1,45 @@
+"""Reference outputs computed with plain Hugging Face transformers, one request at a time."""
+
+from __future__ import annotations
+
+import random
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+WORDS = ("the king once upon a time dragon castle river model token batch split cache "
+         "héllo wörld café 你好 世界 こんにちは Привет 🙂 🚀 € ≠ 42 2024 . , !").split()
+
+
+@lru_cache(maxsize=None)
+def load(model_dir: str):
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return tok, model
+
+
+def prompt_of_tokens(tok, n_tokens: int, rng: random.Random) -> str:
+    """Random text whose tokenization has exactly `n_tokens` tokens (n >= 1)."""
+    words: list[str] = []
+    while True:
+        words.append(rng.choice(WORDS))
+        text = " ".join(words)
+        n = len(tok(text).input_ids)
+        if n >= n_tokens:
+            break
+    # Trim characters from the end until the count matches (counts move by ~1 per char).
+    while len(tok(text).input_ids) > n_tokens and len(text) > 1:
+        text = text[:-1]
+    return text
+
+
+@torch.inference_mode()
+def greedy(model_dir: str | Path, prompt: str, max_new_tokens: int) -> list[int]:
+    """Token ids `model.generate(do_sample=False)` produces for this prompt alone."""
+    tok, model = load(str(model_dir))
+    ids = torch.tensor([tok(prompt).input_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id)
+    return out[0, ids.shape[1]:].tolist()

@@ -1,0 +1,46 @@
+"""Prometheus metrics of a worker (namespace seqserve_worker_)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class WorkerMetrics:
+    """What one worker exports; a registry of its own so tests can run several in-process."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.steps = Counter("seqserve_worker_steps_total", "Steps executed", registry=r)
+        self.forward = Histogram("seqserve_worker_forward_seconds",
+                                 "Model forward time per step", buckets=_STEP_BUCKETS, registry=r)
+        self.sampling = Histogram("seqserve_worker_sampling_seconds",
+                                  "Token selection time per step", buckets=_STEP_BUCKETS, registry=r)
+        self.regroup = Histogram("seqserve_worker_regroup_seconds",
+                                 "KV regrouping time per step", buckets=_STEP_BUCKETS, registry=r)
+        self.regroup_bytes = Counter("seqserve_worker_regroup_bytes_total",
+                                     "KV bytes copied when groups changed", registry=r)
+        self.tokens = Counter("seqserve_worker_generated_tokens_total",
+                              "Tokens produced", registry=r)
+        self.sequences = Gauge("seqserve_worker_sequences", "Sequences held", registry=r)
+        self.groups = Gauge("seqserve_worker_groups", "KV groups held", registry=r)
+        self.kv_slots = Gauge("seqserve_worker_kv_padded_slots",
+                              "KV slots read per step, padding included", registry=r)
+        self.kv_tokens = Gauge("seqserve_worker_kv_tokens", "KV tokens of sequences", registry=r)
+        self.kv_allocated = Gauge("seqserve_worker_kv_allocated_bytes",
+                                  "Bytes allocated for group KV buffers", registry=r)
+
+    def observe_step(self, result, num_groups: int, engine) -> None:
+        self.steps.inc()
+        self.forward.observe(result.forward_seconds)
+        self.sampling.observe(result.sampling_seconds)
+        self.regroup.observe(result.regroup_seconds)
+        self.regroup_bytes.inc(result.regroup_bytes)
+        self.tokens.inc(len(result.tokens))
+        self.sequences.set(len(engine.sequences))
+        self.groups.set(num_groups)
+        self.kv_slots.set(result.kv_slots)
+        self.kv_tokens.set(result.kv_tokens)
+        self.kv_allocated.set(engine.allocated_bytes())

@@ -1,0 +1,94 @@
+"""gRPC face of the worker: converts seqserve.worker.v1 messages to engine calls."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+
+import grpc
+
+from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
+from worker_service.engine import Engine, NewSequence, StepError
+from worker_service.metrics import WorkerMetrics
+from worker_service.sequence import SamplingParams, Strategy
+
+logger = logging.getLogger(__name__)
+
+
+def params_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        strategy=Strategy(p.strategy), temperature=p.temperature or 1.0, top_k=p.top_k,
+        top_p=p.top_p or 1.0, typical_p=p.typical_p or 1.0,
+        repetition_penalty=p.repetition_penalty or 1.0, seed=p.seed,
+        penalty_alpha=p.penalty_alpha, logprobs=p.logprobs)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Serializes Steps: the engine runs one iteration at a time."""
+
+    def __init__(self, kv_cache_bytes: int, metrics: WorkerMetrics | None = None):
+        # The server answers (liveness) while the model loads; until `attach` the model
+        # RPCs say UNAVAILABLE and health says NOT_SERVING.
+        self.engine: Engine | None = None
+        self.instance_id = uuid.uuid4().hex
+        self.kv_cache_bytes = kv_cache_bytes
+        self.kv_capacity_tokens = 0
+        self.metrics = metrics
+        self._lock = threading.Lock()
+
+    def attach(self, engine: Engine) -> None:
+        self.kv_capacity_tokens = self.kv_cache_bytes // engine.runner.kv_shape.bytes_per_token
+        self.engine = engine
+
+    def _ready(self, context) -> Engine:
+        if self.engine is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "worker is still loading its model; retry")
+        return self.engine
+
+    def Info(self, request, context):
+        engine = self._ready(context)
+        f = engine.runner.facts
+        return worker_pb2.InfoResponse(
+            model_id=f.model_id, architecture=f.architecture, vocab_size=f.vocab_size,
+            eos_token_ids=list(f.eos_token_ids), max_position_embeddings=f.max_position_embeddings,
+            dtype=f.dtype, device=f.device,
+            kv_bytes_per_token=engine.runner.kv_shape.bytes_per_token,
+            kv_capacity_tokens=self.kv_capacity_tokens, instance_id=self.instance_id,
+            num_layers=engine.runner.kv_shape.num_layers)
+
+    def Reset(self, request, context):
+        engine = self._ready(context)
+        with self._lock:
+            engine.reset()
+        logger.info("reset: all sequences dropped")
+        return worker_pb2.ResetResponse(instance_id=self.instance_id)
+
+    def Step(self, request, context):
+        prefill = [NewSequence(ns.sequence_id, list(ns.token_ids), ns.num_generated,
+                               params_from_proto(ns.params)) for ns in request.prefill]
+        plan = [list(g.sequence_ids) for g in request.groups]
+        engine = self._ready(context)
+        with self._lock:
+            try:
+                result = engine.step(list(request.release), prefill, plan)
+            except StepError as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        if self.metrics is not None:
+            self.metrics.observe_step(result, len(plan), engine)
+        tokens = []
+        for t in result.tokens:
+            msg = worker_pb2.SequenceToken(sequence_id=t.seq_id, token_id=t.token_id,
+                                           cached_tokens=t.cached_tokens)
+            if t.logprob is not None:
+                msg.logprob = t.logprob
+                msg.top_logprobs.extend(worker_pb2.TopLogprob(id=i, logprob=lp)
+                                        for i, lp in (t.top or []))
+            tokens.append(msg)
+        return worker_pb2.StepResponse(
+            step_id=request.step_id, tokens=tokens,
+            timings=worker_pb2.StepTimings(
+                forward_seconds=result.forward_seconds, sampling_seconds=result.sampling_seconds,
+                regroup_seconds=result.regroup_seconds, total_seconds=result.total_seconds),
+            regroup_bytes=result.regroup_bytes, kv_slots=result.kv_slots,
+            kv_tokens=result.kv_tokens, instance_id=self.instance_id)
