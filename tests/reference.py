@@ -35,6 +35,17 @@ def prompt_of_tokens(tok, n_tokens: int, rng: random.Random) -> str:
     return text
 
 
+def same_until_eos(got: list[int], expected: list[int], eos_id: int) -> bool:
+    """`got` ran on past EOS (ignore_eos); `expected` is generate's output, which stops at EOS.
+
+    generate's min_new_tokens would instead forbid EOS and so change the tokens, hence
+    the comparison of the common part.
+    """
+    if len(expected) < len(got):
+        return expected[-1:] == [eos_id] and got[: len(expected)] == expected
+    return got == expected
+
+
 @torch.inference_mode()
 def greedy(model_dir: str | Path, prompt: str, max_new_tokens: int) -> list[int]:
     """Token ids `model.generate(do_sample=False)` produces for this prompt alone."""

@@ -1,0 +1,63 @@
+# seqserve: `make run` serves the default model, `make test` runs the test suite.
+# Both set up .venv/ first. CPU installs pin torch==2.13.0 (see README for CUDA).
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+PROTOS := protos/seqserve/v1/generate.proto protos/seqserve/worker/v1/worker.proto
+DEFAULT_MODEL := models/tiny-llama
+MODEL_ID ?=
+PORT ?= 8000
+WORKER_PORT ?= 8100
+
+.PHONY: install run test test-slow soak bench proto check-proto model clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+install: $(STAMP)
+
+$(DEFAULT_MODEL)/seqserve_fixture.json: $(STAMP) worker_service/fixtures.py
+	$(PY) -m worker_service.fixtures make-model --arch llama --size tiny --out $(DEFAULT_MODEL)
+
+model: $(DEFAULT_MODEL)/seqserve_fixture.json
+
+# Starts one worker in the background and the scheduler in the foreground; Ctrl-C stops both.
+run: $(STAMP)
+	@model="$(MODEL_ID)"; \
+	if [ -z "$$model" ]; then \
+	  $(MAKE) --no-print-directory model || exit 1; model="$(DEFAULT_MODEL)"; \
+	  echo "MODEL_ID not given: serving the generated random-weight model $$model"; \
+	  echo "(set MODEL_ID=/path/to/hf-model, or a hub name where a hub is reachable)"; \
+	fi; \
+	$(VENV)/bin/seqserve-worker --model-id "$$model" --worker-port $(WORKER_PORT) & wpid=$$!; \
+	trap "kill $$wpid 2>/dev/null" EXIT INT TERM; \
+	echo "connect: $(VENV)/bin/seqserve --address 127.0.0.1:$(PORT) generate \"Once upon a time\" --max-new-tokens 50"; \
+	$(VENV)/bin/seqserve-scheduler --model-id "$$model" --port $(PORT) \
+	  --worker-addresses 127.0.0.1:$(WORKER_PORT)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+soak: $(STAMP)
+	$(PY) -m pytest -q -m soak -o addopts=""
+
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --grpc_python_out=protos \
+	  --pyi_out=protos $(PROTOS)
+
+# Fails when a .proto changed and its generated code did not (also run by `make test`).
+check-proto: $(STAMP)
+	$(PY) -m pytest -q tests/test_protos.py
+
+bench: $(STAMP)
+	$(PY) -m client.bench --out docs/bench-results
+
+clean:
+	rm -rf $(VENV) models build *.egg-info

@@ -1,0 +1,82 @@
+"""serving.properties loading: the seed's file, overrides, and errors that name the key."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from scheduler_service.config import ConfigError, load_config, parse_properties
+
+SEED_EXAMPLE = """\
+# serving.properties
+
+engine=MPI
+option.model_id=/workspace/llama-2-70b-hf/
+option.tensor_parallel_degree=1
+option.dtype=fp16
+option.trust_remote_code=true
+
+# rolling-batch parameters
+option.max_rolling_batch_size=64
+option.rolling_batch=scheduler
+
+# seq-scheduler parameters
+option.max_sparsity=0.33
+option.max_splits=3
+option.decoding_strategy=contrastive  # other options: greedy, sample
+"""
+
+
+def test_seed_example_loads(tmp_path):
+    path = tmp_path / "serving.properties"
+    path.write_text(SEED_EXAMPLE)
+    cfg = load_config(path, env={})
+    assert cfg.engine == "MPI" and cfg.model_id == "/workspace/llama-2-70b-hf/"
+    assert cfg.dtype == "float16" and cfg.trust_remote_code is True
+    assert cfg.max_rolling_batch_size == 64 and cfg.max_sparsity == 0.33 and cfg.max_splits == 3
+    assert cfg.decoding_strategy == "contrastive"
+
+
+def test_env_overrides_file_and_flags_override_env(tmp_path):
+    path = tmp_path / "serving.properties"
+    path.write_text("option.max_sparsity=0.5\noption.max_splits=2\n")
+    cfg = load_config(path, env={"OPTION_MAX_SPARSITY": "0.2"})
+    assert cfg.max_sparsity == 0.2 and cfg.max_splits == 2
+    cfg = load_config(path, env={"OPTION_MAX_SPARSITY": "0.2"}, overrides={"max_sparsity": "0.1"})
+    assert cfg.max_sparsity == 0.1
+
+
+@pytest.mark.parametrize("line, key", [
+    ("option.max_sparsity=1.5", "option.max_sparsity"),
+    ("option.max_sparsity=nan", "option.max_sparsity"),
+    ("option.max_splits=0", "option.max_splits"),
+    ("option.max_splits=two", "option.max_splits"),
+    ("option.dtype=int4", "option.dtype"),
+    ("option.tensor_parallel_degree=2", "option.tensor_parallel_degree"),
+    ("option.decoding_strategy=beam", "option.decoding_strategy"),
+    ("option.trust_remote_code=maybe", "option.trust_remote_code"),
+    ("option.max_rolling_batch_size=0", "option.max_rolling_batch_size"),
+    ("option.worker_addresses=nohostport", "option.worker_addresses"),
+])
+def test_bad_values_name_key_and_value(tmp_path, line, key):
+    path = tmp_path / "serving.properties"
+    path.write_text(line + "\n")
+    value = line.split("=", 1)[1]
+    with pytest.raises(ConfigError) as err:
+        load_config(path, env={})
+    assert key in str(err.value) and value in str(err.value) and "allowed" in str(err.value)
+
+
+def test_unknown_key_warns(tmp_path, caplog):
+    path = tmp_path / "serving.properties"
+    path.write_text("option.max_spasity=0.2\n")
+    with caplog.at_level(logging.WARNING):
+        load_config(path, env={})
+    assert "option.max_spasity" in caplog.text
+
+
+def test_parse_properties_comments():
+    assert parse_properties("a=1 # c\n# x\n\nb = two\n") == {"a": "1", "b": "two"}
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_properties("novalue\n")
