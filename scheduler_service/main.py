@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from scheduler_service.http_api import InvocationsApp
 from scheduler_service.config import ConfigError, ServingConfig, add_config_arguments, config_from_args
 from scheduler_service.loop import IterationLoop
 from scheduler_service.metrics import SchedulerMetrics
@@ -48,8 +49,13 @@ async def serve(cfg: ServingConfig, port_file: str | None) -> int:
     if cfg.metrics_port >= 0:
         httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=metrics.registry)
         metrics_port = httpd.server_port
-    logger.info("scheduler listening on %s:%d (metrics %d); loading tokenizer of %s",
-                cfg.host, port, metrics_port, cfg.model_id)
+    http = InvocationsApp(servicer)
+    http_port = await http.start(cfg.host, cfg.http_port) if cfg.http_port >= 0 else -1
+    # Ports are known now; readiness is the health service's to tell (SERVING once a
+    # worker is connected), so a supervisor can tell a starting server from a dead one.
+    write_port_file(port_file, {"grpc": port, "metrics": metrics_port, "http": http_port})
+    logger.info("scheduler listening on %s:%d (HTTP %d, metrics %d); loading tokenizer of %s",
+                cfg.host, port, http_port, metrics_port, cfg.model_id)
 
     stop = asyncio.Event()
     aloop = asyncio.get_running_loop()
@@ -64,6 +70,7 @@ async def serve(cfg: ServingConfig, port_file: str | None) -> int:
     await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if not ready.done():
         ready.cancel()
+        await http.stop()
         await server.stop(0)
         return 0
     info = ready.result()
@@ -89,7 +96,6 @@ async def serve(cfg: ServingConfig, port_file: str | None) -> int:
     loop_task = asyncio.create_task(loop.run())
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    write_port_file(port_file, {"grpc": port, "metrics": metrics_port})
     logger.info("ready: connect to %s:%d (seqserve.v1.Generation)", cfg.host, port)
 
     await stopped
@@ -99,6 +105,7 @@ async def serve(cfg: ServingConfig, port_file: str | None) -> int:
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace=30)
+    await http.stop()
     loop.stop()
     loop_task.cancel()
     await worker.close()

@@ -41,6 +41,33 @@ def _wait_port_file(path: Path, proc: subprocess.Popen, log: Path, timeout: floa
     raise TimeoutError(f"no port file after {timeout} s:\n{log.read_text()[-4000:]}")
 
 
+def health_status(address: str, timeout: float = 2.0) -> str:
+    """The overall status from grpc.health.v1 ("SERVING", "NOT_SERVING", ...)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
+                                                    timeout=timeout)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def wait_serving(address: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    import grpc
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            if health_status(address) == "SERVING":
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{address} not SERVING after {timeout} s:\n{log.read_text()[-4000:]}")
+
+
 @dataclass
 class Proc:
     name: str
@@ -75,10 +102,14 @@ class Deployment:
         return f"127.0.0.1:{self.scheduler.ports['grpc']}"
 
     @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.scheduler.ports['http']}"
+
+    @property
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.scheduler.ports['metrics']}/metrics"
 
-    def _spawn(self, name: str, module: str, args: list[str]) -> Proc:
+    def _spawn(self, name: str, module: str, args: list[str], wait_ready: bool = True) -> Proc:
         port_file = self.workdir / f"{name}.ports.json"
         port_file.unlink(missing_ok=True)
         log = self.workdir / f"{name}.log"
@@ -87,7 +118,10 @@ class Deployment:
         proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
                                 cwd=REPO)
         ports = _wait_port_file(port_file, proc, log)
-        return Proc(name, proc, ports, log)
+        p = Proc(name, proc, ports, log)
+        if wait_ready:
+            wait_serving(f"127.0.0.1:{ports['grpc']}", proc, log)
+        return p
 
     @staticmethod
     def _flags(options: dict) -> list[str]:
@@ -96,17 +130,18 @@ class Deployment:
             out += [f"--{k.replace('_', '-')}", str(v)]
         return out
 
-    def start_worker(self) -> Proc:
-        opts = {"model_id": self.model_dir, "host": "127.0.0.1", "worker_port": 0,
+    def start_worker(self, port: int = 0, wait_ready: bool = True) -> Proc:
+        opts = {"model_id": self.model_dir, "host": "127.0.0.1", "worker_port": port,
                 "worker_metrics_port": 0, **self.worker_options}
-        self.worker = self._spawn("worker", "worker_service.main", self._flags(opts))
+        self.worker = self._spawn("worker", "worker_service.main", self._flags(opts), wait_ready)
         return self.worker
 
-    def start_scheduler(self, worker_port: int | None = None) -> Proc:
+    def start_scheduler(self, worker_port: int | None = None, wait_ready: bool = True) -> Proc:
         port = worker_port or self.worker.ports["grpc"]
         opts = {"model_id": self.model_dir, "host": "127.0.0.1", "port": 0, "metrics_port": 0,
-                "http_port": -1, "worker_addresses": f"127.0.0.1:{port}", **self.options}
-        self.scheduler = self._spawn("scheduler", "scheduler_service.main", self._flags(opts))
+                "http_port": 0, "worker_addresses": f"127.0.0.1:{port}", **self.options}
+        self.scheduler = self._spawn("scheduler", "scheduler_service.main", self._flags(opts),
+                                     wait_ready)
         return self.scheduler
 
     def start(self) -> Deployment:

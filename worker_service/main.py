@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         httpd, _ = start_http_server(cfg.worker_metrics_port, addr=cfg.host,
                                      registry=metrics.registry)
         metrics_port = httpd.server_port
+    write_port_file(args.port_file, {"grpc": port, "metrics": metrics_port})
     logger.info("worker listening on %s:%d (metrics %d); loading %s", cfg.host, port,
                 metrics_port, cfg.model_id)
 
@@ -100,7 +101,6 @@ def main(argv: list[str] | None = None) -> int:
     servicer.attach(Engine(runner))
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    write_port_file(args.port_file, {"grpc": port, "metrics": metrics_port})
     logger.info("worker ready: %s on %s, %d KV tokens", cfg.model_id, device,
                 servicer.kv_capacity_tokens)
     stop.wait()

@@ -1,0 +1,139 @@
+"""DJL-compatible HTTP front: `POST /invocations` and `GET /ping` on the scheduler.
+
+    curl -X POST http://127.0.0.1:8080/invocations -H "Content-type: application/json" \
+      -d '{"inputs": "Hello", "parameters": {"max_new_tokens": 50}, "cached_prompt": "..."}'
+
+answers `{"generated_text": ...}`; with `"stream": true` it answers JSON lines, one per
+token (`{"token": {"id", "text", "log_prob"}}`), then one with `generated_text` and
+`details`. Requests go through the same validation and queue as the gRPC API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+
+from aiohttp import web
+
+from scheduler_service.params import RequestError
+from scheduler_service.sequence import FinishEvent, FinishReason, TokenEvent
+from scheduler_service.servicer import GenerationServicer
+from scheduler_service.waiting_queue import QueueFull
+
+logger = logging.getLogger(__name__)
+MAX_BODY_BYTES = 4 << 20
+_TOP_LEVEL = {"inputs", "parameters", "cached_prompt", "stream", "request_id"}
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message, "code": status}, status=status)
+
+
+def _details(ev: FinishEvent) -> dict:
+    return {"finish_reason": ev.reason.value, "generated_tokens": ev.generated_tokens,
+            "inputs": ev.prompt_tokens, "cached_tokens": ev.cached_tokens}
+
+
+class InvocationsApp:
+    def __init__(self, servicer: GenerationServicer):
+        self.servicer = servicer
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES)
+        self.app.router.add_post("/invocations", self.invocations)
+        self.app.router.add_get("/ping", self.ping)
+        self.runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        self.runner = web.AppRunner(self.app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port)
+        await site.start()
+        return site._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def ping(self, request: web.Request) -> web.Response:
+        ready = self.servicer.state is not None and not self.servicer.draining
+        return web.json_response({"status": "Healthy" if ready else "Unhealthy"},
+                                 status=200 if ready else 503)
+
+    async def invocations(self, request: web.Request) -> web.StreamResponse:
+        state = self.servicer.state
+        if state is None or self.servicer.draining:
+            return _error(503, "the server is not ready (no worker yet, or shutting down)")
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            return _error(400, "the body is not valid JSON")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object with an \"inputs\" field")
+        unknown = sorted(set(body) - _TOP_LEVEL)
+        if unknown:
+            return _error(400, f"unknown field {unknown[0]!r}; known: {', '.join(sorted(_TOP_LEVEL))}")
+        inputs, params = body.get("inputs"), body.get("parameters") or {}
+        cached = body.get("cached_prompt") or ""
+        stream = body.get("stream", False)
+        if not isinstance(params, dict):
+            return _error(400, "parameters must be a JSON object")
+        if not isinstance(cached, str) or not isinstance(stream, bool):
+            return _error(400, "cached_prompt must be a string and stream true or false")
+        batch = inputs if isinstance(inputs, list) else [inputs]
+        if not batch or not all(isinstance(x, str) for x in batch):
+            return _error(400, "inputs must be a string or a non-empty list of strings")
+        if stream and len(batch) > 1:
+            return _error(400, "stream supports a single string in inputs")
+        rid = str(body.get("request_id") or uuid.uuid4().hex)
+        try:
+            seqs = []
+            for i, text in enumerate(batch):
+                seq = await self.servicer.new_sequence(state, text, cached, params,
+                                                       rid if len(batch) == 1 else f"{rid}-{i}")
+                seqs.append(seq)
+            for seq in seqs:
+                state.loop.submit(seq)
+        except RequestError as exc:
+            state.loop.metrics.requests_failed.labels("INVALID_ARGUMENT").inc()
+            return _error(400, str(exc))
+        except QueueFull as exc:
+            for seq in seqs:
+                state.loop.cancel(seq)
+            state.loop.metrics.requests_failed.labels("RESOURCE_EXHAUSTED").inc()
+            return _error(429, str(exc))
+        if stream:
+            return await self._stream(request, state, seqs[0])
+        results = await asyncio.gather(*(self._collect(state, s) for s in seqs))
+        for r in results:
+            if isinstance(r, web.Response):
+                return r
+        if isinstance(inputs, list):
+            return web.json_response([{"generated_text": t, "details": d} for t, d in results])
+        text, details = results[0]
+        return web.json_response({"generated_text": text, "details": details})
+
+    async def _collect(self, state, seq):
+        parts = []
+        async for ev in self.servicer.events(state, seq):
+            parts.append(ev.text)
+            if isinstance(ev, FinishEvent):
+                if ev.reason == FinishReason.ERROR:
+                    return _error(503, ev.error or "generation failed")
+                return "".join(parts), _details(ev)
+
+    async def _stream(self, request, state, seq) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/jsonlines"})
+        await resp.prepare(request)
+        parts = []
+        async for ev in self.servicer.events(state, seq):
+            parts.append(ev.text)
+            if isinstance(ev, TokenEvent):
+                line = {"token": {"id": ev.token_id, "text": ev.text, "log_prob": ev.logprob}}
+            else:
+                line = {"generated_text": "".join(parts), "details": _details(ev)}
+                if ev.reason == FinishReason.ERROR:
+                    line = {"error": ev.error, "code": 503}
+            await resp.write((json.dumps(line) + "\n").encode())
+        await resp.write_eof()
+        return resp
