@@ -132,7 +132,7 @@ class IterationLoop:
             p = s.params
             prefill.append(worker_pb2.NewSequence(
                 sequence_id=s.seq_id, token_ids=s.prompt_ids + s.output_ids,
-                num_generated=len(s.output_ids),
+                num_generated=len(s.output_ids), pin_tokens=s.pin_tokens,
                 params=worker_pb2.SamplingParams(
                     strategy=_STRATEGY[p.strategy], temperature=p.temperature, top_k=p.top_k,
                     top_p=p.top_p, typical_p=p.typical_p, repetition_penalty=p.repetition_penalty,
@@ -169,6 +169,7 @@ class IterationLoop:
             m.sparsity.observe(plan.partition.sparsity)
         if plan.regrouped:
             m.regroups.inc()
+        m.prefix_cache_bytes.set(response.prefix_cache_bytes)
         m.padded_slots.set(response.kv_slots)
         m.real_tokens.set(response.kv_tokens)
         m.regroup_bytes.inc(response.regroup_bytes)
@@ -188,6 +189,7 @@ class IterationLoop:
             self.metrics.ttft.observe(now - seq.arrival_time)
             self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
             seq.cached_tokens = tok.cached_tokens
+            self.metrics.prefix_hit_tokens.inc(tok.cached_tokens)
         elif seq.last_token_time is not None:
             self.metrics.itl.observe(now - seq.last_token_time)
         seq.last_token_time = now

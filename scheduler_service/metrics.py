@@ -64,5 +64,10 @@ class SchedulerMetrics:
                                      registry=r)
         self.generation_tokens = Counter("seqserve_generation_tokens_total",
                                          "Tokens generated", registry=r)
+        self.prefix_hit_tokens = Counter("seqserve_prefix_cache_hit_tokens_total",
+                                         "Prompt tokens whose KV the worker reused from its "
+                                         "prefix cache", registry=r)
+        self.prefix_cache_bytes = Gauge("seqserve_prefix_cache_bytes",
+                                        "Bytes the worker's prefix cache holds", registry=r)
         self.worker_up = Gauge("seqserve_workers_ready", "Workers connected and serving",
                                registry=r)

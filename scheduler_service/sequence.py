@@ -61,6 +61,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     cached_tokens: int = 0
+    pin_tokens: int = 0  # leading tokens of the cached_prompt (pinned in the prefix cache)
     sampling_seed: int | None = None  # fixed at admission so a re-prefill draws the same
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None

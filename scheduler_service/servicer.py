@@ -64,6 +64,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         ids = await asyncio.to_thread(lambda: state.tokenizer(text).input_ids)
         if not ids:
             raise RequestError("inputs tokenized to no tokens; send some text")
+        pin = 0
+        if cached_prompt:
+            # Tokens merge across the boundary, so pin only the tokens that the cached
+            # prompt alone and the whole prompt share.
+            alone = await asyncio.to_thread(lambda: state.tokenizer(cached_prompt).input_ids)
+            while pin < min(len(alone), len(ids)) and alone[pin] == ids[pin]:
+                pin += 1
         cfg = resolve(params, state.limits, len(ids))
         loop = state.loop
         if len(ids) + cfg.max_new_tokens > loop.kv_budget:
@@ -73,7 +80,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             seq_id=loop.new_seq_id(), request_id=request_id or uuid.uuid4().hex,
             prompt_ids=list(ids), params=cfg,
             detokenizer=IncrementalDetokenizer(state.tokenizer, ids),
-            stops=StopMatcher(cfg.stop), sampling_seed=cfg.seed)
+            stops=StopMatcher(cfg.stop), sampling_seed=cfg.seed, pin_tokens=pin)
 
     async def _start(self, request, context) -> tuple[ServingState, Sequence]:
         state = await self._ready(context)

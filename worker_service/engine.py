@@ -14,6 +14,7 @@ import torch
 from worker_service import sampling
 from worker_service.kv_groups import KVGroup
 from worker_service.model_runner import ModelRunner
+from worker_service.prefix_cache import PrefixCache
 from worker_service.sequence import SamplingParams, SequenceState
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ class NewSequence:
     token_ids: list[int]
     num_generated: int
     params: SamplingParams
+    pin_tokens: int = 0  # leading tokens from a cached_prompt: their blocks are pinned
 
 
 @dataclass
@@ -55,8 +57,9 @@ class StepResult:
 class Engine:
     """The worker's sequences and group caches."""
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, prefix_cache: PrefixCache | None = None):
         self.runner = runner
+        self.prefix_cache = prefix_cache
         self.device = runner.device
         self.sequences: dict[int, SequenceState] = {}
         self.groups: list[KVGroup] = []
@@ -65,6 +68,8 @@ class Engine:
     # --- bookkeeping -----------------------------------------------------------------
 
     def reset(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
         self.sequences.clear()
         self.groups.clear()
         self.where.clear()
@@ -108,7 +113,8 @@ class Engine:
         for ns in prefill:
             self.sequences[ns.seq_id] = SequenceState(
                 seq_id=ns.seq_id, token_ids=list(ns.token_ids), num_generated=ns.num_generated,
-                params=ns.params, prompt_length=len(ns.token_ids) - ns.num_generated)
+                params=ns.params, prompt_length=len(ns.token_ids) - ns.num_generated,
+                pin_tokens=ns.pin_tokens)
         groups, old_counts, dropped_bytes = self._regroup(plan, new_ids)
         result.regroup_seconds = time.perf_counter() - t0
         for group, n_old in zip(groups, old_counts):
@@ -191,22 +197,31 @@ class Engine:
         rows = range(row_start, group.rows)
         seqs = [self.sequences[group.seq_ids[r]] for r in rows]
         lengths = [len(s.token_ids) for s in seqs]
-        q_len = max(lengths)
-        group.ensure_capacity(group.rows, q_len + max(max(s.params.top_k, 1) for s in seqs) + 1)
+        headroom = max(max(s.params.top_k, 1) for s in seqs) + 1
+        group.ensure_capacity(group.rows, max(lengths) + headroom)
+        t = time.perf_counter()
+        starts_list = [self._reuse_prefix(group, r, s) for r, s in zip(rows, seqs)]
+        result.regroup_seconds += time.perf_counter() - t
+        q_len = max(n - st for n, st in zip(lengths, starts_list))
         ids = torch.zeros(len(seqs), q_len, dtype=torch.long)
         for i, s in enumerate(seqs):
-            ids[i, : lengths[i]] = torch.tensor(s.token_ids)
-            ids[i, lengths[i]:] = s.token_ids[0]
+            todo = s.token_ids[starts_list[i]:]
+            ids[i, : len(todo)] = torch.tensor(todo)
+            ids[i, len(todo):] = todo[0]
         ids = ids.to(self.device)
-        starts = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
+        starts = torch.tensor(starts_list, dtype=torch.long, device=self.device)
         t = time.perf_counter()
         hidden = self.runner.forward(group, row_start, group.rows, ids, starts)
-        last = torch.tensor(lengths, device=self.device) - 1
+        last = torch.tensor([n - st - 1 for n, st in zip(lengths, starts_list)], device=self.device)
         last_hidden = hidden[torch.arange(len(seqs), device=self.device), last]
         logits = self.runner.logits(last_hidden)
         result.forward_seconds += time.perf_counter() - t
+        t = time.perf_counter()
         for i, r in enumerate(rows):
             group.lengths[r] = lengths[i]
+            if self.prefix_cache is not None:
+                self.prefix_cache.insert(seqs[i].token_ids, group, r, seqs[i].pin_tokens)
+        result.regroup_seconds += time.perf_counter() - t
         direct = [i for i, s in enumerate(seqs) if not s.contrastive]
         self._emit(seqs, direct, logits, result)
         contrastive = [i for i, s in enumerate(seqs) if s.contrastive]
@@ -216,6 +231,17 @@ class Engine:
             s.next_logits = logits[i]
         if contrastive:
             self._decode(group, row_start + contrastive[0], group.rows, result)
+
+    def _reuse_prefix(self, group: KVGroup, row: int, seq: SequenceState) -> int:
+        """Copy the longest cached prefix into the row; returns the tokens reused."""
+        # Contrastive search needs the hidden state of every context token, which the
+        # cache does not keep, so those sequences prefill in full.
+        if self.prefix_cache is None or seq.contrastive:
+            return 0
+        blocks, reuse = self.prefix_cache.match(seq.token_ids)
+        self.prefix_cache.copy_into(blocks, reuse, group, row)
+        seq.cached_tokens = reuse
+        return reuse
 
     def _emit(self, seqs: list[SequenceState], idx: list[int], logits: torch.Tensor,
               result: StepResult) -> None:
@@ -227,7 +253,8 @@ class Engine:
             s = seqs[i]
             s.accept(c.token_id)
             s.pending = c.token_id
-            result.tokens.append(TokenOut(s.seq_id, c.token_id, c.logprob, c.top))
+            result.tokens.append(TokenOut(s.seq_id, c.token_id, c.logprob, c.top,
+                                          s.cached_tokens))
         result.sampling_seconds += time.perf_counter() - t
 
     def _decode(self, group: KVGroup, row_start: int, row_end: int, result: StepResult) -> None:

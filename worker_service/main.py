@@ -21,6 +21,7 @@ from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from worker_service.engine import Engine
 from worker_service.metrics import WorkerMetrics
 from worker_service.model_runner import ModelRunner
+from worker_service.prefix_cache import PrefixCache
 from worker_service.servicer import WorkerServicer
 
 logger = logging.getLogger("seqserve.worker")
@@ -98,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         logger.exception("could not load model %s", cfg.model_id)
         server.stop(0)
         return 1
-    servicer.attach(Engine(runner))
+    prefix_cache = PrefixCache(runner.kv_shape, cfg.prompt_cache_bytes,
+                               cfg.prompt_cache_block_tokens)
+    servicer.attach(Engine(runner, prefix_cache))
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     logger.info("worker ready: %s on %s, %d KV tokens", cfg.model_id, device,

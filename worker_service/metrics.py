@@ -29,6 +29,18 @@ class WorkerMetrics:
         self.kv_slots = Gauge("seqserve_worker_kv_padded_slots",
                               "KV slots read per step, padding included", registry=r)
         self.kv_tokens = Gauge("seqserve_worker_kv_tokens", "KV tokens of sequences", registry=r)
+        self.prefix_queries = Counter("seqserve_worker_prefix_cache_queries_total",
+                                      "New sequences looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("seqserve_worker_prefix_cache_hits_total",
+                                   "Look-ups that reused at least one cached block", registry=r)
+        self.prefix_hit_tokens = Counter("seqserve_worker_prefix_cache_hit_tokens_total",
+                                         "Prompt tokens whose KV came from the prefix cache",
+                                         registry=r)
+        self.prefix_evictions = Counter("seqserve_worker_prefix_cache_evictions_total",
+                                        "Blocks evicted from the prefix cache", registry=r)
+        self.prefix_bytes = Gauge("seqserve_worker_prefix_cache_bytes",
+                                  "Bytes held by the prefix cache", registry=r)
+        self._last_stats = None
         self.kv_allocated = Gauge("seqserve_worker_kv_allocated_bytes",
                                   "Bytes allocated for group KV buffers", registry=r)
 
@@ -44,3 +56,16 @@ class WorkerMetrics:
         self.kv_slots.set(result.kv_slots)
         self.kv_tokens.set(result.kv_tokens)
         self.kv_allocated.set(engine.allocated_bytes())
+        pc = engine.prefix_cache
+        if pc is not None:
+            st = pc.stats
+            last = self._last_stats or (0, 0, 0, 0)
+            now = (st.queries, st.hits, st.hit_tokens, st.evictions)
+            # Stats are cumulative in the cache (and reset with it); export the growth.
+            deltas = [max(n - o, 0) if n >= o else n for n, o in zip(now, last)]
+            self.prefix_queries.inc(deltas[0])
+            self.prefix_hits.inc(deltas[1])
+            self.prefix_hit_tokens.inc(deltas[2])
+            self.prefix_evictions.inc(deltas[3])
+            self._last_stats = now
+            self.prefix_bytes.set(pc.bytes_held)

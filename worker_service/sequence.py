@@ -56,6 +56,7 @@ class SequenceState:
     context_hidden: torch.Tensor | None = None
     context_len: int = 0
     cached_tokens: int = 0
+    pin_tokens: int = 0
     _ids_tensor: torch.Tensor | None = field(default=None, repr=False)
 
     @property

@@ -49,13 +49,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def Info(self, request, context):
         engine = self._ready(context)
         f = engine.runner.facts
+        pc = engine.prefix_cache
         return worker_pb2.InfoResponse(
             model_id=f.model_id, architecture=f.architecture, vocab_size=f.vocab_size,
             eos_token_ids=list(f.eos_token_ids), max_position_embeddings=f.max_position_embeddings,
             dtype=f.dtype, device=f.device,
             kv_bytes_per_token=engine.runner.kv_shape.bytes_per_token,
             kv_capacity_tokens=self.kv_capacity_tokens, instance_id=self.instance_id,
-            num_layers=engine.runner.kv_shape.num_layers)
+            num_layers=engine.runner.kv_shape.num_layers,
+            prefix_cache_capacity_bytes=pc.capacity_bytes if pc is not None and pc.enabled else 0,
+            prefix_block_tokens=pc.block_tokens if pc is not None else 0)
 
     def Reset(self, request, context):
         engine = self._ready(context)
@@ -66,7 +69,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def Step(self, request, context):
         prefill = [NewSequence(ns.sequence_id, list(ns.token_ids), ns.num_generated,
-                               params_from_proto(ns.params)) for ns in request.prefill]
+                               params_from_proto(ns.params), ns.pin_tokens)
+                   for ns in request.prefill]
         plan = [list(g.sequence_ids) for g in request.groups]
         engine = self._ready(context)
         with self._lock:
@@ -91,4 +95,5 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 forward_seconds=result.forward_seconds, sampling_seconds=result.sampling_seconds,
                 regroup_seconds=result.regroup_seconds, total_seconds=result.total_seconds),
             regroup_bytes=result.regroup_bytes, kv_slots=result.kv_slots,
-            kv_tokens=result.kv_tokens, instance_id=self.instance_id)
+            kv_tokens=result.kv_tokens, instance_id=self.instance_id,
+            prefix_cache_bytes=engine.prefix_cache.bytes_held if engine.prefix_cache else 0)

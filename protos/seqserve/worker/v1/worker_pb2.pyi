@@ -12,7 +12,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "eos_token_ids", "max_position_embeddings", "dtype", "device", "kv_bytes_per_token", "kv_capacity_tokens", "instance_id", "num_layers")
+    __slots__ = ("model_id", "architecture", "vocab_size", "eos_token_ids", "max_position_embeddings", "dtype", "device", "kv_bytes_per_token", "kv_capacity_tokens", "instance_id", "num_layers", "prefix_cache_capacity_bytes", "prefix_block_tokens")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,8 @@ class InfoResponse(_message.Message):
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -35,7 +37,9 @@ class InfoResponse(_message.Message):
     kv_capacity_tokens: int
     instance_id: str
     num_layers: int
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., instance_id: _Optional[str] = ..., num_layers: _Optional[int] = ...) -> None: ...
+    prefix_cache_capacity_bytes: int
+    prefix_block_tokens: int
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., instance_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., prefix_cache_capacity_bytes: _Optional[int] = ..., prefix_block_tokens: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("strategy", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "seed", "penalty_alpha", "logprobs")
@@ -68,16 +72,18 @@ class SamplingParams(_message.Message):
     def __init__(self, strategy: _Optional[_Union[SamplingParams.Strategy, str]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., penalty_alpha: _Optional[float] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("sequence_id", "token_ids", "num_generated", "params")
+    __slots__ = ("sequence_id", "token_ids", "num_generated", "params", "pin_tokens")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_generated: int
     params: SamplingParams
-    def __init__(self, sequence_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_generated: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    pin_tokens: int
+    def __init__(self, sequence_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_generated: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., pin_tokens: _Optional[int] = ...) -> None: ...
 
 class Group(_message.Message):
     __slots__ = ("sequence_ids",)
@@ -132,7 +138,7 @@ class StepTimings(_message.Message):
     def __init__(self, forward_seconds: _Optional[float] = ..., sampling_seconds: _Optional[float] = ..., regroup_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "tokens", "timings", "regroup_bytes", "kv_slots", "kv_tokens", "instance_id")
+    __slots__ = ("step_id", "tokens", "timings", "regroup_bytes", "kv_slots", "kv_tokens", "instance_id", "prefix_cache_bytes")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +146,7 @@ class StepResponse(_message.Message):
     KV_SLOTS_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     tokens: _containers.RepeatedCompositeFieldContainer[SequenceToken]
     timings: StepTimings
@@ -147,7 +154,8 @@ class StepResponse(_message.Message):
     kv_slots: int
     kv_tokens: int
     instance_id: str
-    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SequenceToken, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., regroup_bytes: _Optional[int] = ..., kv_slots: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    prefix_cache_bytes: int
+    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SequenceToken, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., regroup_bytes: _Optional[int] = ..., kv_slots: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., instance_id: _Optional[str] = ..., prefix_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,133 @@
+"""Issue 5: prefix reuse of KV on the worker is exact, bounded, and visible in metrics."""
+
+from __future__ import annotations
+
+import random
+import urllib.request
+
+import pytest
+
+from client import Client
+from tests import reference
+from tests.test_splitting import scrape
+from worker_service.engine import Engine, NewSequence
+from worker_service.model_runner import ModelRunner
+from worker_service.prefix_cache import PrefixCache
+from worker_service.sequence import SamplingParams
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def runner(llama_dir):
+    return ModelRunner(str(llama_dir))
+
+
+def generate(engine: Engine, prompts: dict[int, list[int]], n: int, arrive_every: int = 0,
+             release_at: dict[int, int] | None = None) -> dict[int, list[int]]:
+    """Run sequences to n tokens each (arriving one per `arrive_every` steps, all at once
+    if 0) in one group; returns their tokens."""
+    got = {sid: [] for sid in prompts}
+    pending = list(prompts)
+    live: list[int] = []
+    step = 0
+    while pending or live:
+        new = []
+        if pending and (arrive_every == 0 or step % arrive_every == 0):
+            batch = pending if arrive_every == 0 else pending[:1]
+            for sid in list(batch):
+                new.append(NewSequence(sid, prompts[sid], 0, SamplingParams()))
+                pending.remove(sid)
+                live.append(sid)
+        result = engine.step([], new, [list(live)])
+        for t in result.tokens:
+            got[t.seq_id].append(t.token_id)
+            limit = (release_at or {}).get(t.seq_id, n)
+            if len(got[t.seq_id]) >= limit:
+                live.remove(t.seq_id)
+                engine.release(t.seq_id)
+        step += 1
+    return got
+
+
+def shared_prompts(seed: int) -> dict[int, list[int]]:
+    rng = random.Random(seed)
+    system = [rng.randint(3, 999) for _ in range(70)]  # 4 blocks + 6 tokens: ends mid-block
+    prompts = {0: system + [rng.randint(3, 999) for _ in range(20)]}
+    prompts[1] = system + [rng.randint(3, 999) for _ in range(5)]
+    prompts[2] = system[:64]  # entirely cached after 0 (exactly four blocks)
+    prompts[3] = system[:33]  # a prefix ending mid-block
+    prompts[4] = prompts[0] + [7, 8, 9]  # a whole earlier prompt plus a turn
+    prompts[5] = [rng.randint(3, 999) for _ in range(40)]  # shares nothing
+    return prompts
+
+
+def test_outputs_identical_with_cache_on_and_off(runner):
+    prompts = shared_prompts(1)
+    cache = PrefixCache(runner.kv_shape, 64 << 20, BLOCK)
+    on = generate(Engine(runner, cache), prompts, 12, arrive_every=2)
+    off = generate(Engine(runner, None), prompts, 12, arrive_every=2)
+    assert on == off
+    # 1: four system blocks; 2 (wholly cached, 64 tokens): all but its last token, whose
+    # logits are needed; 3 (33 tokens): two blocks, the mid-block rest is recomputed;
+    # 4: the five whole blocks of prompt 0.
+    assert cache.stats.queries == len(prompts) and cache.stats.hits == 4
+    assert cache.stats.hit_tokens == 64 + 63 + 32 + 80
+
+
+def test_cached_tokens_are_reported_per_sequence(runner):
+    cache = PrefixCache(runner.kv_shape, 64 << 20, BLOCK)
+    engine = Engine(runner, cache)
+    prompt = list(range(10, 10 + 50))
+    first = engine.step([], [NewSequence(1, prompt, 0, SamplingParams())], [[1]])
+    assert first.tokens[0].cached_tokens == 0
+    second = engine.step([], [NewSequence(2, prompt + [5, 6], 0, SamplingParams())], [[1, 2]])
+    by_id = {t.seq_id: t for t in second.tokens}
+    assert by_id[2].cached_tokens == 48  # three whole blocks of the 50 shared tokens
+
+
+def test_eviction_under_small_budget_recomputes_correctly(runner):
+    budget = 6 * BLOCK * runner.kv_shape.bytes_per_token  # six blocks
+    cache = PrefixCache(runner.kv_shape, budget, BLOCK)
+    engine = Engine(runner, cache)
+    rng = random.Random(5)
+    prompts = {i: [rng.randint(3, 999) for _ in range(64)] for i in range(4)}  # 4 blocks each
+    got = generate(engine, prompts, 6, arrive_every=1)
+    assert cache.stats.evictions > 0 and cache.bytes_held <= budget
+    # Prompt 0 was evicted by later ones; asking again recomputes it and must be exact.
+    again = generate(engine, {10: prompts[0]}, 6)
+    assert again[10] == got[0]
+    plain = generate(Engine(runner, None), {0: prompts[0]}, 6)
+    assert got[0] == plain[0]
+
+
+def test_release_of_one_sharer_does_not_disturb_the_other(runner):
+    cache = PrefixCache(runner.kv_shape, 64 << 20, BLOCK)
+    engine = Engine(runner, cache)
+    rng = random.Random(9)
+    system = [rng.randint(3, 999) for _ in range(48)]
+    prompts = {1: system + [11, 12], 2: system + [13, 14, 15]}
+    got = generate(engine, {1: prompts[1]}, 1)
+    both = generate(engine, {3: prompts[1], 4: prompts[2]}, 20, release_at={3: 5})
+    alone = generate(Engine(runner, None), {4: prompts[2]}, 20)
+    assert both[4] == alone[4]
+    assert got[1] == both[3][:1]
+
+
+def test_cached_prompt_over_real_processes(llama_dir, deploy):
+    d = deploy(llama_dir, prompt_cache_block_tokens=BLOCK)
+    cached = ("You are a helpful assistant who answers briefly about dragons, castles and "
+              "rivers of the kingdom. ") * 3
+    questions = ["Where is the castle?", "Who is the king?", "héllo wörld 你好"]
+    with Client(d.address, timeout=120) as c:
+        replies = [c.generate(q, cached_prompt=cached, max_new_tokens=10) for q in questions]
+    for q, r in zip(questions, replies):
+        assert r.token_ids == reference.greedy(llama_dir, cached + q, 10)
+    assert replies[0].cached_tokens == 0
+    assert all(r.cached_tokens >= BLOCK for r in replies[1:])
+    worker = scrape(f"http://127.0.0.1:{d.worker.ports['metrics']}/metrics")
+    assert worker["seqserve_worker_prefix_cache_hits_total"] >= 2
+    assert worker["seqserve_worker_prefix_cache_hit_tokens_total"] >= 2 * BLOCK
+    assert worker["seqserve_worker_prefix_cache_bytes"] > 0
+    sched = scrape(d.metrics_url)
+    assert sched["seqserve_prefix_cache_hit_tokens_total"] == sum(r.cached_tokens for r in replies)
