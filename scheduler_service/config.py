@@ -128,6 +128,8 @@ OPTIONS: tuple[Option, ...] = (
            "worker memory for cached prompt prefixes (bytes)"),
     Option("prompt_cache_block_tokens", int, 16, "an integer in [1, 1024]",
            lambda v: 1 <= v <= 1024, "tokens per prefix-cache block (prefixes match in blocks)"),
+    Option("drain_timeout", _finite_float, 30.0, "a number of seconds >= 0", lambda v: v >= 0,
+           "on SIGTERM, how long running requests may take to finish before exit"),
     Option("worker_timeout", _finite_float, 60.0, "a number of seconds > 0", lambda v: v > 0,
            "how long the scheduler waits for a worker before failing requests"),
 )
@@ -162,6 +164,7 @@ class ServingConfig:
     kv_cache_bytes: int = 4 << 30
     prompt_cache_bytes: int = 512 << 20
     prompt_cache_block_tokens: int = 16
+    drain_timeout: float = 30.0
     worker_timeout: float = 60.0
 
 

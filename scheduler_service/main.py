@@ -104,7 +104,7 @@ async def serve(cfg: ServingConfig, port_file: str | None) -> int:
     servicer.draining = True
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.stop(grace=30)
+    await server.stop(grace=cfg.drain_timeout)
     await http.stop()
     loop.stop()
     loop_task.cancel()

@@ -23,7 +23,11 @@ class WorkerClient:
         self.address = address
         self.channel = grpc.aio.insecure_channel(address, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # Reconnect quickly to a restarted worker instead of gRPC's backoff of minutes.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000)])
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.info: worker_pb2.InfoResponse | None = None
 

@@ -1,0 +1,156 @@
+"""Issue 8 over real processes: backpressure, cancellation, deadlines, worker crash with no
+lost token, no worker at all, and graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from client import AsyncClient, Client
+from tests import reference
+from tests.conftest import health_status
+from tests.test_splitting import scrape
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_full_queue_is_refused_at_once(llama_dir, deploy):
+    d = deploy(llama_dir, max_queue=2, max_rolling_batch_size=1)
+    with Client(d.address, timeout=120) as c:
+        running = c.stub.Generate(__import__("client.api", fromlist=["x"]).build_request(
+            "the king " * 20, max_new_tokens=400, ignore_eos=True))
+        next(running)  # the first request is running and holds the only batch slot
+        queued = [threading.Thread(target=lambda: c.generate("hi", max_new_tokens=2))
+                  for _ in range(2)]
+        for t in queued:
+            t.start()
+        wait_until(lambda: scrape(d.metrics_url)["seqserve_num_requests_waiting"] == 2, 30,
+                   "two waiting requests")
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate("one too many", max_new_tokens=2)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "queue is full" in err.value.details()
+        assert time.monotonic() - t0 < 2.0
+        running.cancel()
+        for t in queued:
+            t.join(60)
+
+
+def _worker_sequences(d) -> float:
+    return scrape(f"http://127.0.0.1:{d.worker.ports['metrics']}/metrics")["seqserve_worker_sequences"]
+
+
+def test_cancel_and_deadline_release_the_sequence(llama_dir, deploy):
+    d = deploy(llama_dir)
+    with Client(d.address) as c:
+        call = c.stub.Generate(__import__("client.api", fromlist=["x"]).build_request(
+            "once upon a time", max_new_tokens=900, ignore_eos=True))
+        for _ in range(5):
+            next(call)
+        assert _worker_sequences(d) == 1
+        call.cancel()
+        wait_until(lambda: _worker_sequences(d) == 0, 5, "the worker to drop the cancelled sequence")
+        m = scrape(d.metrics_url)
+        assert m["seqserve_num_requests_running"] == 0
+        assert m["seqserve_requests_finished_total{reason=cancelled}"] == 1
+        # A deadline that passes mid-generation releases the sequence the same way.
+        with pytest.raises(grpc.RpcError) as err:
+            Client(d.address, timeout=1.0).generate("once upon a time", max_new_tokens=900,
+                                                     ignore_eos=True)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_until(lambda: _worker_sequences(d) == 0, 5, "the worker to drop the expired sequence")
+        worker = scrape(f"http://127.0.0.1:{d.worker.ports['metrics']}/metrics")
+        assert worker["seqserve_worker_kv_tokens"] == 0
+
+
+def test_worker_crash_loses_no_token(llama_dir, deploy):
+    d = deploy(llama_dir)
+    prompts = [("the king " * (i + 1) + "dragon", 60) for i in range(6)]
+    sampled = [("the river flows", 50, 11), ("castle light", 50, 22)]
+    tokens_seen = asyncio.Event()
+
+    async def scenario():
+        async with AsyncClient(d.address, timeout=300) as c:
+            async def greedy(p, n):
+                out = []
+                async for ch in c.stream(p, max_new_tokens=n, ignore_eos=True):
+                    if ch.token_id is not None:
+                        out.append(ch.token_id)
+                        if len(out) == 8:
+                            tokens_seen.set()
+                return out
+
+            async def sample(p, n, seed):
+                return [ch.token_id async for ch in c.stream(
+                    p, max_new_tokens=n, ignore_eos=True, decoding_strategy="sample", seed=seed,
+                    temperature=0.9, top_k=40) if ch.token_id is not None]
+
+            async def crash():
+                await tokens_seen.wait()
+                d.worker.proc.kill()  # kill -9 in the middle of generation
+                d.worker.proc.wait()
+                await asyncio.sleep(0.5)
+                await asyncio.to_thread(d.start_worker, d.worker.ports["grpc"])
+
+            results = await asyncio.gather(*(greedy(p, n) for p, n in prompts),
+                                           *(sample(*s) for s in sampled), crash())
+            return results[: len(prompts)], results[len(prompts): -1]
+
+    got_greedy, got_sampled = asyncio.run(scenario())
+    eos = reference.load(str(llama_dir))[0].eos_token_id
+    for (p, n), got in zip(prompts, got_greedy):
+        assert len(got) == n
+        assert reference.same_until_eos(got, reference.greedy(llama_dir, p, n), eos)
+    with Client(d.address, timeout=120) as c:  # the same sampled requests, undisturbed
+        for (p, n, seed), got in zip(sampled, got_sampled):
+            again = c.generate(p, max_new_tokens=n, ignore_eos=True, decoding_strategy="sample",
+                               seed=seed, temperature=0.9, top_k=40)
+            assert got == again.token_ids
+    m = scrape(d.metrics_url)
+    assert m["seqserve_workers_ready"] == 1
+
+
+def test_no_worker_within_timeout_gives_unavailable(llama_dir, deploy):
+    d = deploy(llama_dir, worker_timeout=2)
+    with Client(d.address, timeout=60) as c:
+        call = c.stub.Generate(__import__("client.api", fromlist=["x"]).build_request(
+            "once upon a time", max_new_tokens=500, ignore_eos=True))
+        next(call)
+        d.worker.proc.kill()
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in call:
+                pass
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no worker available" in err.value.details()
+
+
+def test_sigterm_drains_running_requests(llama_dir, deploy):
+    d = deploy(llama_dir)
+    with Client(d.address, timeout=120) as c:
+        call = c.stub.Generate(__import__("client.api", fromlist=["x"]).build_request(
+            "once upon a time", max_new_tokens=150, ignore_eos=True))
+        first = next(call)
+        d.scheduler.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: _status(d) != "SERVING", 5, "health to leave SERVING")
+        rest = list(call)
+        assert rest[-1].finish_reason  # the running request finished normally
+        assert 1 + len(rest) == 151
+        assert d.scheduler.proc.wait(30) == 0
+
+
+def _status(d) -> str:
+    try:
+        return health_status(d.address)
+    except grpc.RpcError:
+        return "GONE"
