@@ -56,8 +56,10 @@ proto: $(STAMP)
 check-proto: $(STAMP)
 	$(PY) -m pytest -q tests/test_protos.py
 
+# Benchmarks of issues 2 and 3 (throughput vs HF static batches, the sparsity/splits
+# sweep, partition timing); results land in bench-results/, figures in docs/.
 bench: $(STAMP)
-	$(PY) -m client.bench --out docs/bench-results
+	$(PY) -m client.bench all --out bench-results
 
 clean:
 	rm -rf $(VENV) models build *.egg-info
