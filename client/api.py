@@ -5,11 +5,16 @@
         for chunk in c.stream("Once upon a time", max_new_tokens=50):
             print(chunk.text, end="", flush=True)
         reply = c.generate("Once upon a time", max_new_tokens=50)
+
+Against a server with TLS and a bearer token (docs/security.md):
+
+    Client("server:8000", tls_ca_file="ca.pem", token=os.environ["SEQSERVE_TOKEN"])
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
 import grpc
@@ -87,23 +92,57 @@ def collect(chunks) -> Reply:
                  cached_tokens=last.cached_tokens, logprobs=lps)
 
 
-class Client:
-    """Blocking client. `stream` yields Chunks as tokens arrive; `generate` returns a Reply."""
+def channel_credentials(tls_ca_file: str | None = None, tls_cert_file: str | None = None,
+                        tls_key_file: str | None = None) -> grpc.ChannelCredentials | None:
+    """TLS credentials trusting `tls_ca_file` (and presenting a client certificate when
+    `tls_cert_file` and `tls_key_file` are given); None when no TLS file is given."""
+    if not (tls_ca_file or tls_cert_file or tls_key_file):
+        return None
+    if bool(tls_cert_file) != bool(tls_key_file):
+        raise ValueError("tls_cert_file and tls_key_file go together: give both or neither")
 
-    def __init__(self, address: str = "127.0.0.1:8000", timeout: float | None = None):
-        self.channel = grpc.insecure_channel(address)
+    def read(path: str | None) -> bytes | None:
+        return Path(path).read_bytes() if path else None
+
+    return grpc.ssl_channel_credentials(root_certificates=read(tls_ca_file),
+                                        private_key=read(tls_key_file),
+                                        certificate_chain=read(tls_cert_file))
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The `authorization: Bearer <token>` metadata sent on every call (None: no token)."""
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+class Client:
+    """Blocking client. `stream` yields Chunks as tokens arrive; `generate` returns a Reply.
+
+    `tls_ca_file`: connect over TLS, trusting this CA (PEM); `tls_cert_file`/`tls_key_file`:
+    a client certificate for servers that require one; `token`: the bearer token, sent as
+    `authorization` metadata on every call.
+    """
+
+    def __init__(self, address: str = "127.0.0.1:8000", timeout: float | None = None, *,
+                 tls_ca_file: str | None = None, token: str | None = None,
+                 tls_cert_file: str | None = None, tls_key_file: str | None = None):
+        creds = channel_credentials(tls_ca_file, tls_cert_file, tls_key_file)
+        self.channel = (grpc.insecure_channel(address) if creds is None
+                        else grpc.secure_channel(address, creds))
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         self.timeout = timeout
+        self.metadata = auth_metadata(token)
 
     def stream(self, prompt: str, **params: Any) -> Iterator[Chunk]:
-        for msg in self.stub.Generate(build_request(prompt, **params), timeout=self.timeout):
+        for msg in self.stub.Generate(build_request(prompt, **params), timeout=self.timeout,
+                                      metadata=self.metadata):
             yield to_chunk(msg)
 
     def generate(self, prompt: str, **params: Any) -> Reply:
         return collect(self.stream(prompt, **params))
 
     def model_info(self) -> generate_pb2.ModelInfoResponse:
-        return self.stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=self.timeout)
+        return self.stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=self.timeout,
+                                   metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()
@@ -116,15 +155,21 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client with the same methods as `Client`."""
+    """asyncio client with the same methods and arguments as `Client`."""
 
-    def __init__(self, address: str = "127.0.0.1:8000", timeout: float | None = None):
-        self.channel = grpc.aio.insecure_channel(address)
+    def __init__(self, address: str = "127.0.0.1:8000", timeout: float | None = None, *,
+                 tls_ca_file: str | None = None, token: str | None = None,
+                 tls_cert_file: str | None = None, tls_key_file: str | None = None):
+        creds = channel_credentials(tls_ca_file, tls_cert_file, tls_key_file)
+        self.channel = (grpc.aio.insecure_channel(address) if creds is None
+                        else grpc.aio.secure_channel(address, creds))
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         self.timeout = timeout
+        self.metadata = auth_metadata(token)
 
     async def stream(self, prompt: str, **params: Any) -> AsyncIterator[Chunk]:
-        call = self.stub.Generate(build_request(prompt, **params), timeout=self.timeout)
+        call = self.stub.Generate(build_request(prompt, **params), timeout=self.timeout,
+                                  metadata=self.metadata)
         async for msg in call:
             yield to_chunk(msg)
 
@@ -132,7 +177,8 @@ class AsyncClient:
         return collect([c async for c in self.stream(prompt, **params)])
 
     async def model_info(self) -> generate_pb2.ModelInfoResponse:
-        return await self.stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=self.timeout)
+        return await self.stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=self.timeout,
+                                         metadata=self.metadata)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -2,6 +2,7 @@
 
     seqserve generate "Once upon a time" --max-new-tokens 50
     seqserve info
+    SEQSERVE_TOKEN=... seqserve --address host:8000 --tls-ca-file ca.pem info
 """
 
 from __future__ import annotations
@@ -15,11 +16,19 @@ import grpc
 from client.api import Client
 
 
+def _client(args) -> Client:
+    try:
+        return Client(args.address, tls_ca_file=args.tls_ca_file, token=args.token or None,
+                      tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file)
+    except (OSError, ValueError) as exc:  # an unreadable TLS file, a cert without its key
+        raise SystemExit(f"seqserve: {exc}") from None
+
+
 def _generate(args) -> int:
     params = dict(max_new_tokens=args.max_new_tokens, decoding_strategy=args.strategy,
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   seed=args.seed, stop=args.stop or None, cached_prompt=args.cached_prompt)
-    with Client(args.address) as client:
+    with _client(args) as client:
         last = None
         for chunk in client.stream(args.prompt, **params):
             sys.stdout.write(chunk.text)
@@ -33,7 +42,7 @@ def _generate(args) -> int:
 
 
 def _info(args) -> int:
-    with Client(args.address) as client:
+    with _client(args) as client:
         sys.stdout.write(str(client.model_info()))
     return 0
 
@@ -42,6 +51,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="seqserve", description="seqserve client")
     parser.add_argument("--address", default=os.environ.get("SEQSERVE_ADDRESS", "127.0.0.1:8000"),
                         help="scheduler host:port (default $SEQSERVE_ADDRESS or 127.0.0.1:8000)")
+    parser.add_argument("--tls-ca-file", default=os.environ.get("SEQSERVE_TLS_CA_FILE") or None,
+                        metavar="PEM", help="connect over TLS trusting this CA "
+                        "(default $SEQSERVE_TLS_CA_FILE; plaintext when unset)")
+    parser.add_argument("--tls-cert-file", default=os.environ.get("SEQSERVE_TLS_CERT_FILE") or None,
+                        metavar="PEM", help="client certificate, for servers that require one "
+                        "(default $SEQSERVE_TLS_CERT_FILE)")
+    parser.add_argument("--tls-key-file", default=os.environ.get("SEQSERVE_TLS_KEY_FILE") or None,
+                        metavar="PEM", help="private key of --tls-cert-file "
+                        "(default $SEQSERVE_TLS_KEY_FILE)")
+    parser.add_argument("--token", default=os.environ.get("SEQSERVE_TOKEN") or None,
+                        help="bearer token for servers that require one (default "
+                        "$SEQSERVE_TOKEN; prefer the variable: flags show in `ps`)")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream a generation to the terminal")
     gen.add_argument("prompt")

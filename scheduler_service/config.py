@@ -10,10 +10,11 @@ stops start-up with the key, the value and what is allowed.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -132,6 +133,22 @@ OPTIONS: tuple[Option, ...] = (
            "on SIGTERM, how long running requests may take to finish before exit"),
     Option("worker_timeout", _finite_float, 60.0, "a number of seconds > 0", lambda v: v > 0,
            "how long the scheduler waits for a worker before failing requests"),
+    # Security (docs/security.md). Paths are PEM files; empty means off.
+    Option("tls_cert_file", str, "", "a PEM certificate chain file, or empty for plaintext",
+           help="TLS certificate of the public gRPC and HTTP ports (with tls_key_file)"),
+    Option("tls_key_file", str, "", "a PEM private key file, or empty for plaintext",
+           help="TLS private key of the public ports (with tls_cert_file)"),
+    Option("tls_client_ca_file", str, "", "a PEM CA file, or empty (no client certificates)",
+           help="require public clients to present a certificate signed by this CA"),
+    Option("worker_tls_cert_file", str, "", "a PEM certificate chain file, or empty",
+           help="mutual TLS scheduler<->worker: this process's certificate (worker: server "
+                "certificate; scheduler: client certificate)"),
+    Option("worker_tls_key_file", str, "", "a PEM private key file, or empty",
+           help="mutual TLS scheduler<->worker: the private key of worker_tls_cert_file"),
+    Option("worker_tls_ca_file", str, "", "a PEM CA file, or empty",
+           help="mutual TLS scheduler<->worker: the CA that signed the other side's certificate"),
+    Option("auth_token", str, "", "any string; empty: no token required",
+           help="bearer token the public API requires (prefer OPTION_AUTH_TOKEN to a flag)"),
 )
 _BY_KEY = {o.key: o for o in OPTIONS}
 
@@ -166,6 +183,13 @@ class ServingConfig:
     prompt_cache_block_tokens: int = 16
     drain_timeout: float = 30.0
     worker_timeout: float = 60.0
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""
+    worker_tls_cert_file: str = ""
+    worker_tls_key_file: str = ""
+    worker_tls_ca_file: str = ""
+    auth_token: str = field(default="", repr=False)
 
 
 assert [f.name for f in fields(ServingConfig)] == [o.key for o in OPTIONS]
@@ -248,3 +272,33 @@ def config_from_args(args: argparse.Namespace) -> ServingConfig:
     overrides = {o.key: getattr(args, f"opt_{o.key}") for o in OPTIONS}
     path = args.properties or os.environ.get("SERVING_PROPERTIES") or None
     return load_config(path, overrides=overrides)
+
+
+def process_arguments(prog: str, description: str | None, argv: list[str] | None
+                      ) -> tuple[argparse.ArgumentParser, argparse.Namespace, ServingConfig]:
+    """The command line both processes share: options, --port-file, --log-level; sets up
+    logging and requires option.model_id. Exits with a usage error naming a bad option."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_config_arguments(parser)
+    parser.add_argument("--port-file", help="write the bound ports as JSON to this file")
+    parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = config_from_args(args)
+        if not cfg.model_id:
+            raise ConfigError("option.model_id is not set; pass --model-id DIR or set it in "
+                              "serving.properties")
+    except ConfigError as exc:
+        parser.error(str(exc))
+    return parser, args, cfg
+
+
+def write_port_file(path: str | None, ports: dict[str, int]) -> None:
+    """Tell a parent process (tests, make run, benchmarks) the ports actually bound."""
+    if not path:
+        return
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(ports))
+    os.replace(tmp, path)

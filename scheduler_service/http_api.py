@@ -44,10 +44,11 @@ class InvocationsApp:
         self.app.router.add_get("/ping", self.ping)
         self.runner: web.AppRunner | None = None
 
-    async def start(self, host: str, port: int) -> int:
+    async def start(self, host: str, port: int, ssl_context=None) -> int:
+        """Listen (HTTPS when `ssl_context` is given); returns the bound port."""
         self.runner = web.AppRunner(self.app, access_log=None)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port)
+        site = web.TCPSite(self.runner, host, port, ssl_context=ssl_context)
         await site.start()
         return site._server.sockets[0].getsockname()[1]
 
@@ -66,15 +67,21 @@ class InvocationsApp:
             return _error(503, "the server is not ready (no worker yet, or shutting down)")
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError, RecursionError):
+            # Why RecursionError: json nests by recursion, so a body of ~100k "[" raised it
+            # out of the handler and the client got HTTP 500 (found by tests/test_fuzz.py).
             return _error(400, "the body is not valid JSON")
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object with an \"inputs\" field")
         unknown = sorted(set(body) - _TOP_LEVEL)
         if unknown:
             return _error(400, f"unknown field {unknown[0]!r}; known: {', '.join(sorted(_TOP_LEVEL))}")
-        inputs, params = body.get("inputs"), body.get("parameters") or {}
-        cached = body.get("cached_prompt") or ""
+        # Why `is None` rather than `or`: a wrong-typed falsy value ("parameters": 0, [],
+        # false; "cached_prompt": 0) was silently taken as absent instead of getting 400.
+        inputs, params = body.get("inputs"), body.get("parameters")
+        params = {} if params is None else params
+        cached = body.get("cached_prompt")
+        cached = "" if cached is None else cached
         stream = body.get("stream", False)
         if not isinstance(params, dict):
             return _error(400, "parameters must be a JSON object")

@@ -24,6 +24,9 @@ from scheduler_service.worker_client import WorkerClient, WorkerUnavailable
 from seqserve.worker.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
+# A sequence that was in this many failed Steps in a row, with no token in between, is
+# failed instead of re-admitted (see _recover).
+MAX_STEP_FAILURES = 3
 
 _STRATEGY = {"greedy": worker_pb2.SamplingParams.STRATEGY_GREEDY,
              "sample": worker_pb2.SamplingParams.STRATEGY_SAMPLE,
@@ -52,6 +55,8 @@ class IterationLoop:
         self._wakeup = asyncio.Event()
         self._next_id = 1
         self._stopped = False
+        self._step_failures: dict[int, int] = {}  # seq_id -> failed Steps since its last token
+        self._one_at_a_time = 0  # admissions left to make singly after a failed Step
 
     # --- called by the RPC handlers ------------------------------------------------------
 
@@ -104,8 +109,12 @@ class IterationLoop:
 
     def _admit(self) -> list[Sequence]:
         reserved = sum(s.reserved_tokens for s in self.running.values())
-        budget = Budget(self.max_batch - len(self.running), self.kv_budget - reserved)
+        slots = self.max_batch - len(self.running)
+        if self._one_at_a_time > 0:
+            slots = min(slots, 1)  # isolate the re-admitted sequences (see _recover)
+        budget = Budget(slots, self.kv_budget - reserved)
         admitted = self.policy.admit(self.waiting, budget)
+        self._one_at_a_time = max(0, self._one_at_a_time - len(admitted))
         now = time.monotonic()
         for s in admitted:
             s.status = Status.RUNNING
@@ -193,6 +202,8 @@ class IterationLoop:
         elif seq.last_token_time is not None:
             self.metrics.itl.observe(now - seq.last_token_time)
         seq.last_token_time = now
+        if self._step_failures:
+            self._step_failures.pop(seq.seq_id, None)
         self.metrics.generation_tokens.inc()
         token = tok.token_id
         seq.output_ids.append(token)
@@ -217,6 +228,7 @@ class IterationLoop:
             else:
                 tail += seq.stops.flush()
         was_running = self.running.pop(seq.seq_id, None) is not None
+        self._step_failures.pop(seq.seq_id, None)
         if was_running:
             self.to_release.append(seq.seq_id)
         seq.status = Status.FINISHED
@@ -244,9 +256,27 @@ class IterationLoop:
         self.running.clear()
         self.to_release.clear()
         self.planner.forget()
+        # Why: a request that makes the worker's Step raise (found by tests/test_fuzz.py:
+        # sampling with temperature=1e-300, which is 0 in float32, gives NaN probabilities)
+        # failed its re-prefill too, so recovery re-admitted it forever in a hot loop and
+        # no other request progressed. Now the re-admitted sequences are prefilled one per
+        # Step, so the culprit fails alone, and a sequence in MAX_STEP_FAILURES failed
+        # Steps in a row with no token in between is failed instead of re-admitted.
+        poisoned = []
+        for s in readmit:
+            n = self._step_failures.get(s.seq_id, 0) + 1
+            self._step_failures[s.seq_id] = n
+            if n >= MAX_STEP_FAILURES:
+                poisoned.append(s)
+        gone = {s.seq_id for s in poisoned}
+        readmit = [s for s in readmit if s.seq_id not in gone]
+        for s in poisoned:
+            self._fail(s, f"generation failed: the worker failed {MAX_STEP_FAILURES} steps in a "
+                          f"row with this request ({exc.code().name}: {exc.details()})")
         for s in readmit:
             s.status = Status.WAITING
         self.waiting.push_front(readmit)
+        self._one_at_a_time = len(readmit)
         try:
             self.info = await self.worker.wait_ready(self.worker_timeout)
         except WorkerUnavailable as err:

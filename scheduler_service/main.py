@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import os
 import signal
 
 import grpc
@@ -13,8 +11,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from scheduler_service import auth
 from scheduler_service.http_api import InvocationsApp
-from scheduler_service.config import ConfigError, ServingConfig, add_config_arguments, config_from_args
+from scheduler_service.config import (ConfigError, ServingConfig, process_arguments,
+                                      write_port_file)
 from scheduler_service.loop import IterationLoop
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.params import Limits
@@ -22,20 +22,28 @@ from scheduler_service.partition import validate_limits
 from scheduler_service.servicer import GenerationServicer, ServingState
 from scheduler_service.worker_client import WorkerClient
 from seqserve.v1 import generate_pb2, generate_pb2_grpc
-from worker_service.main import write_port_file
 
 logger = logging.getLogger("seqserve.scheduler")
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 MAX_MESSAGE_BYTES = 4 << 20
 
 
-async def serve(cfg: ServingConfig, port_file: str | None) -> int:
+def load_security(cfg: ServingConfig) -> tuple[auth.TlsFiles | None, auth.TlsFiles | None]:
+    """(public TLS, worker mutual TLS); ConfigError names the keys of a bad setting."""
+    return auth.public_tls(cfg), auth.worker_tls(cfg)
+
+
+async def serve(cfg: ServingConfig, port_file: str | None,
+                security: tuple[auth.TlsFiles | None, auth.TlsFiles | None] | None = None) -> int:
     from transformers import AutoTokenizer
 
+    public_tls, worker_tls = security if security is not None else load_security(cfg)
     metrics = SchedulerMetrics()
     servicer = GenerationServicer()
     health_servicer = health.aio.HealthServicer()
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    interceptors = [auth.BearerTokenInterceptor(cfg.auth_token)] if cfg.auth_token else []
+    server = grpc.aio.server(interceptors=interceptors,
+                             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -43,19 +51,40 @@ async def serve(cfg: ServingConfig, port_file: str | None) -> int:
                                          reflection.SERVICE_NAME), server)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    if public_tls is not None:
+        port = server.add_secure_port(f"{cfg.host}:{cfg.port}", public_tls.server_credentials(
+            require_client_auth=public_tls.ca is not None))
+    else:
+        port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     await server.start()
     metrics_port = -1
     if cfg.metrics_port >= 0:
         httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=metrics.registry)
         metrics_port = httpd.server_port
     http = InvocationsApp(servicer)
-    http_port = await http.start(cfg.host, cfg.http_port) if cfg.http_port >= 0 else -1
+    if cfg.auth_token:
+        http.app.middlewares.append(auth.bearer_middleware(cfg.auth_token))
+    http_ssl = public_tls.server_ssl_context() if public_tls is not None else None
+    http_port = (await http.start(cfg.host, cfg.http_port, http_ssl)
+                 if cfg.http_port >= 0 else -1)
     # Ports are known now; readiness is the health service's to tell (SERVING once a
     # worker is connected), so a supervisor can tell a starting server from a dead one.
     write_port_file(port_file, {"grpc": port, "metrics": metrics_port, "http": http_port})
     logger.info("scheduler listening on %s:%d (HTTP %d, metrics %d); loading tokenizer of %s",
                 cfg.host, port, http_port, metrics_port, cfg.model_id)
+    public_mode = ("plaintext" if public_tls is None else
+                   "TLS" if public_tls.ca is None else "mutual TLS")
+    logger.info("public API: %s%s; workers: %s", public_mode,
+                ", bearer token required" if cfg.auth_token else "",
+                "mutual TLS" if worker_tls is not None else "plaintext")
+    if cfg.host not in ("127.0.0.1", "localhost", "::1"):
+        if public_tls is None:
+            logger.warning("listening on %s without TLS: requests%s travel in plaintext "
+                           "(see docs/security.md)", cfg.host,
+                           " and the bearer token" if cfg.auth_token else "")
+        if not cfg.auth_token and public_tls is None:
+            logger.warning("listening on %s with no bearer token and no client "
+                           "certificates: anyone who reaches the port can generate", cfg.host)
 
     stop = asyncio.Event()
     aloop = asyncio.get_running_loop()
@@ -64,7 +93,8 @@ async def serve(cfg: ServingConfig, port_file: str | None) -> int:
 
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, cfg.model_id,
                                         trust_remote_code=cfg.trust_remote_code)
-    worker = WorkerClient(cfg.worker_addresses[0])
+    worker = WorkerClient(cfg.worker_addresses[0], credentials=(
+        worker_tls.channel_credentials() if worker_tls is not None else None))
     ready = asyncio.ensure_future(worker.wait_ready(None))
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -113,22 +143,13 @@ async def serve(cfg: ServingConfig, port_file: str | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="seqserve-scheduler", description=__doc__)
-    add_config_arguments(parser)
-    parser.add_argument("--port-file", help="write the bound ports as JSON to this file")
-    parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser, args, cfg = process_arguments("seqserve-scheduler", __doc__, argv)
     try:
-        cfg = config_from_args(args)
         validate_limits(cfg.max_sparsity, cfg.max_splits)
-        if not cfg.model_id:
-            raise ConfigError("option.model_id is not set; pass --model-id DIR or set it in "
-                              "serving.properties")
+        security = load_security(cfg)
     except (ConfigError, ValueError) as exc:
         parser.error(str(exc))
-    return asyncio.run(serve(cfg, args.port_file))
+    return asyncio.run(serve(cfg, args.port_file, security))
 
 
 if __name__ == "__main__":

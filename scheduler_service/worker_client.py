@@ -19,15 +19,21 @@ class WorkerUnavailable(RuntimeError):
 
 
 class WorkerClient:
-    def __init__(self, address: str):
+    def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None):
+        """`credentials`: grpc.ssl_channel_credentials for mutual TLS (auth.TlsFiles
+        .channel_credentials()); None: a plaintext channel."""
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=[
+        options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             # Reconnect quickly to a restarted worker instead of gRPC's backoff of minutes.
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000)])
+            ("grpc.max_reconnect_backoff_ms", 1000)]
+        if credentials is None:
+            self.channel = grpc.aio.insecure_channel(address, options=options)
+        else:
+            self.channel = grpc.aio.secure_channel(address, credentials, options=options)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.info: worker_pb2.InfoResponse | None = None
 
@@ -56,7 +62,8 @@ class WorkerClient:
                         f"worker {self.address} did not answer within {timeout:g} s "
                         f"({exc.code().name}: {exc.details()})") from None
                 if now - last_log > 10:
-                    logger.info("waiting for worker %s (%s)", self.address, exc.code().name)
+                    logger.info("waiting for worker %s (%s: %s)", self.address,
+                                exc.code().name, exc.details())
                     last_log = now
                 await asyncio.sleep(0.2)
 

@@ -96,6 +96,7 @@ class Deployment:
     worker_options: dict = field(default_factory=dict)
     worker: Proc | None = None
     scheduler: Proc | None = None
+    env: dict = field(default_factory=dict)  # extra environment (e.g. OPTION_AUTH_TOKEN)
 
     @property
     def address(self) -> str:
@@ -114,7 +115,8 @@ class Deployment:
         port_file.unlink(missing_ok=True)
         log = self.workdir / f"{name}.log"
         cmd = [sys.executable, "-m", module, "--port-file", str(port_file), *args]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+               **self.env}
         proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
                                 cwd=REPO)
         ports = _wait_port_file(port_file, proc, log)

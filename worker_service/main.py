@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import os
 import signal
 import threading
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from scheduler_service.config import ConfigError, add_config_arguments, config_from_args
+from scheduler_service.auth import worker_tls
+from scheduler_service.config import ConfigError, process_arguments, write_port_file
 from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
-from worker_service.engine import Engine
-from worker_service.metrics import WorkerMetrics
-from worker_service.model_runner import ModelRunner
-from worker_service.prefix_cache import PrefixCache
-from worker_service.servicer import WorkerServicer
 
 logger = logging.getLogger("seqserve.worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -40,31 +32,21 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def write_port_file(path: str | None, ports: dict[str, int]) -> None:
-    """Tell a parent process (tests, make run) the ports actually bound."""
-    if not path:
-        return
-    tmp = Path(path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(ports))
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="seqserve-worker", description=__doc__)
-    add_config_arguments(parser)
-    parser.add_argument("--port-file", help="write the bound ports as JSON to this file")
-    parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser, args, cfg = process_arguments("seqserve-worker", __doc__, argv)
     try:
-        cfg = config_from_args(args)
-        if not cfg.model_id:
-            raise ConfigError("option.model_id is not set; pass --model-id DIR or set it in "
-                              "serving.properties")
+        tls = worker_tls(cfg)
         device = resolve_device(cfg.device)
     except ConfigError as exc:
         parser.error(str(exc))
+
+    # torch and the engine load here, after the configuration is checked (a bad option
+    # fails fast).
+    from worker_service.engine import Engine
+    from worker_service.metrics import WorkerMetrics
+    from worker_service.model_runner import ModelRunner
+    from worker_service.prefix_cache import PrefixCache
+    from worker_service.servicer import WorkerServicer
 
     metrics = WorkerMetrics()
     servicer = WorkerServicer(cfg.kv_cache_bytes, metrics)
@@ -78,7 +60,13 @@ def main(argv: list[str] | None = None) -> int:
                                          reflection.SERVICE_NAME), server)
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.worker_port}")
+    if tls is not None:
+        # Mutual TLS: only a client (the scheduler) with a certificate signed by
+        # option.worker_tls_ca_file gets through the handshake.
+        port = server.add_secure_port(f"{cfg.host}:{cfg.worker_port}",
+                                      tls.server_credentials(require_client_auth=True))
+    else:
+        port = server.add_insecure_port(f"{cfg.host}:{cfg.worker_port}")
     server.start()
     metrics_port = -1
     if cfg.worker_metrics_port >= 0:
@@ -86,8 +74,11 @@ def main(argv: list[str] | None = None) -> int:
                                      registry=metrics.registry)
         metrics_port = httpd.server_port
     write_port_file(args.port_file, {"grpc": port, "metrics": metrics_port})
-    logger.info("worker listening on %s:%d (metrics %d); loading %s", cfg.host, port,
-                metrics_port, cfg.model_id)
+    logger.info("worker listening on %s:%d (%s, metrics %d); loading %s", cfg.host, port,
+                "mutual TLS" if tls is not None else "plaintext", metrics_port, cfg.model_id)
+    if tls is None and cfg.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("worker listening on %s without mutual TLS: anyone who reaches the port "
+                       "can drive the model (see docs/security.md)", cfg.host)
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
