@@ -15,6 +15,9 @@ import torch
 from worker_service.sequence import SamplingParams, SequenceState, Strategy
 
 _MASK = float("-inf")
+# Below this, temperature only sharpens further toward the argmax; dividing float32
+# logits by 1e-300 would instead give inf - inf = NaN probabilities.
+MIN_TEMPERATURE = 1e-6
 
 
 @dataclass
@@ -38,7 +41,7 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
 def warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Temperature, top-k, top-p and typical-p, in Hugging Face's order, on one row [V]."""
     if p.temperature != 1.0:
-        logits = logits / p.temperature
+        logits = logits / max(p.temperature, MIN_TEMPERATURE)
     if p.top_k > 0 and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, _MASK)
@@ -104,8 +107,13 @@ def choose_tokens(logits: torch.Tensor, seqs: list[SequenceState]) -> list[Choic
         row = processed_logits(logits[i], s)
         if s.params.strategy == Strategy.SAMPLE:
             probs = torch.softmax(warp(row, s.params), -1)
-            g = token_generator(s.params.seed, s.num_generated, row.device)
-            t = int(torch.multinomial(probs, 1, generator=g))
+            if bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0:
+                g = token_generator(s.params.seed, s.num_generated, row.device)
+                t = int(torch.multinomial(probs, 1, generator=g))
+            else:
+                # Degenerate warping (e.g. every logit -inf after penalties): the limit
+                # of sampling is the argmax, and one sequence must not fail the Step.
+                t = int(row.argmax())
         else:
             t = int(row.argmax())
         choices[i] = Choice(t)
