@@ -19,9 +19,9 @@ from scheduler_service.loop import IterationLoop
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.params import Limits
 from scheduler_service.partition import validate_limits
-from scheduler_service.servicer import GenerationServicer, ServingState
+from scheduler_service.servicer import GenerationServicer, ServingState, add_to_server
 from scheduler_service.worker_client import WorkerClient
-from seqserve.v1 import generate_pb2, generate_pb2_grpc
+from seqserve.v1 import generate_pb2
 
 logger = logging.getLogger("seqserve.scheduler")
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -45,7 +45,7 @@ async def serve(cfg: ServingConfig, port_file: str | None,
     server = grpc.aio.server(interceptors=interceptors,
                              options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
-    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    add_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME,
                                          reflection.SERVICE_NAME), server)

@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 _FINISH = {FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
            FinishReason.EOS: generate_pb2.FINISH_REASON_EOS,
            FinishReason.STOP: generate_pb2.FINISH_REASON_STOP}
+MAX_CHARS_PER_TOKEN = 64
 _OPTIONAL = ("max_new_tokens", "decoding_strategy", "do_sample", "temperature", "top_k", "top_p",
              "typical_p", "repetition_penalty", "seed", "ignore_eos", "penalty_alpha", "logprobs")
 
@@ -62,6 +63,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         check_text("inputs", inputs, required=True)
         check_text("cached_prompt", cached_prompt, required=False)
         text = cached_prompt + inputs
+        # Refuse before tokenizing: no tokenizer packs this many characters per token, so
+        # the prompt cannot fit the context, and tokenizing megabytes costs seconds of CPU.
+        max_chars = MAX_CHARS_PER_TOKEN * state.limits.max_position_embeddings
+        if len(text) > max_chars:
+            raise RequestError(f"prompt of {len(text)} characters cannot fit the model's context "
+                               f"of {state.limits.max_position_embeddings} tokens; send at most "
+                               f"{max_chars} characters")
         ids = await asyncio.to_thread(lambda: state.tokenizer(text).input_ids)
         if not ids:
             raise RequestError("inputs tokenized to no tokens; send some text")
