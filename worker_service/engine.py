@@ -309,7 +309,7 @@ class Engine:
         token = cand_ids[best]
         out = TokenOut(seq.seq_id, token)
         if seq.params.logprobs >= 0:
-            out.logprob, out.top = sampling._logprob_info(seq.next_logits, token,
+            out.logprob, out.top = sampling.logprob_info(seq.next_logits, token,
                                                           seq.params.logprobs)
         seq.append_hidden(cand_hidden[best : best + 1])
         result.sampling_seconds += time.perf_counter() - t

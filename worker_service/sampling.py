@@ -75,7 +75,8 @@ def token_generator(seed: int, index: int, device: torch.device) -> torch.Genera
     return g
 
 
-def _logprob_info(raw_logits: torch.Tensor, token_id: int, n_top: int) -> tuple[float, list]:
+def logprob_info(raw_logits: torch.Tensor, token_id: int, n_top: int) -> tuple[float, list]:
+    """Log-probability of `token_id` and the `n_top` best alternatives under the raw logits."""
     logp = torch.log_softmax(raw_logits.float(), -1)
     top = []
     if n_top > 0:
@@ -119,7 +120,7 @@ def choose_tokens(logits: torch.Tensor, seqs: list[SequenceState]) -> list[Choic
         choices[i] = Choice(t)
     for i, s in enumerate(seqs):
         if s.params.logprobs >= 0:
-            lp, top = _logprob_info(logits[i], choices[i].token_id, s.params.logprobs)
+            lp, top = logprob_info(logits[i], choices[i].token_id, s.params.logprobs)
             choices[i].logprob, choices[i].top = lp, top
     return choices  # type: ignore[return-value]
 
