@@ -15,6 +15,10 @@ class Budget:
 
     free_slots: int  # max_rolling_batch_size minus running sequences
     free_kv_tokens: int  # KV budget minus what running sequences reserved
+    # Prompt tokens one step may prefill. Prefill of a burst of arrivals is spread over
+    # steps, so running sequences keep decoding and early arrivals get their first token
+    # without waiting for every later prompt (the first admitted prompt always fits).
+    prefill_tokens: int = 1 << 62
 
 
 class AdmissionPolicy(Protocol):
@@ -30,13 +34,17 @@ class FCFSAdmission:
     def admit(self, waiting: WaitingQueue, budget: Budget) -> list[Sequence]:
         admitted: list[Sequence] = []
         slots, tokens = budget.free_slots, budget.free_kv_tokens
+        prefill = budget.prefill_tokens
         while slots > 0:
             head = waiting.peek()
             if head is None or head.reserved_tokens > tokens:
                 break
+            if admitted and head.length > prefill:
+                break
             admitted.append(waiting.pop())
             slots -= 1
             tokens -= head.reserved_tokens
+            prefill -= head.length
         return admitted
 
 

@@ -117,6 +117,8 @@ OPTIONS: tuple[Option, ...] = (
            lambda v: -1 <= v <= 65535, "worker Prometheus /metrics port"),
     Option("worker_addresses", _addresses, ("127.0.0.1:8100",), "comma-separated host:port list",
            help="workers the scheduler drives"),
+    Option("max_prefill_tokens", int, 4096, "an integer >= 1", lambda v: v >= 1,
+           "prompt tokens admitted for prefill per step (one longer prompt still runs alone)"),
     Option("max_queue", int, 1024, "an integer >= 0", lambda v: v >= 0,
            "waiting requests at most; past it requests get RESOURCE_EXHAUSTED"),
     Option("max_new_tokens_limit", int, 4096, "an integer >= 1", lambda v: v >= 1,
@@ -175,6 +177,7 @@ class ServingConfig:
     worker_port: int = 8100
     worker_metrics_port: int = 8101
     worker_addresses: tuple[str, ...] = ("127.0.0.1:8100",)
+    max_prefill_tokens: int = 4096
     max_queue: int = 1024
     max_new_tokens_limit: int = 4096
     default_max_new_tokens: int = 64

@@ -36,12 +36,14 @@ _STRATEGY = {"greedy": worker_pb2.SamplingParams.STRATEGY_GREEDY,
 class IterationLoop:
     def __init__(self, worker: WorkerClient, *, max_rolling_batch_size: int, max_queue: int,
                  max_sparsity: float, max_splits: int, worker_timeout: float,
-                 metrics: SchedulerMetrics, policy: AdmissionPolicy | None = None):
+                 metrics: SchedulerMetrics, policy: AdmissionPolicy | None = None,
+                 max_prefill_tokens: int = 4096):
         assert worker.info is not None, "connect the worker before starting the loop"
         self.worker = worker
         self.info = worker.info
         self.eos_ids = frozenset(self.info.eos_token_ids)
         self.max_batch = max_rolling_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
         self.kv_budget = int(self.info.kv_capacity_tokens)
         self.worker_timeout = worker_timeout
         self.metrics = metrics
@@ -112,7 +114,7 @@ class IterationLoop:
         slots = self.max_batch - len(self.running)
         if self._one_at_a_time > 0:
             slots = min(slots, 1)  # isolate the re-admitted sequences (see _recover)
-        budget = Budget(slots, self.kv_budget - reserved)
+        budget = Budget(slots, self.kv_budget - reserved, self.max_prefill_tokens)
         admitted = self.policy.admit(self.waiting, budget)
         self._one_at_a_time = max(0, self._one_at_a_time - len(admitted))
         now = time.monotonic()

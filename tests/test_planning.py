@@ -44,6 +44,17 @@ def test_fcfs_admits_in_order_within_slots_and_tokens():
     assert [s.seq_id for s in admitted] == [2]
 
 
+def test_prefill_budget_spreads_a_burst_over_steps():
+    q = WaitingQueue(10)
+    for i, n in enumerate([300, 300, 300, 5000]):
+        q.push(seq(i, n))
+    budget = Budget(free_slots=10, free_kv_tokens=10**6, prefill_tokens=700)
+    assert [s.seq_id for s in FCFSAdmission().admit(q, budget)] == [0, 1]
+    assert [s.seq_id for s in FCFSAdmission().admit(q, budget)] == [2]
+    # A prompt longer than the budget still runs, alone, when it reaches the head.
+    assert [s.seq_id for s in FCFSAdmission().admit(q, budget)] == [3]
+
+
 def test_planner_reuses_partition_until_membership_changes():
     planner = BatchPlanner(max_sparsity=0.025, max_splits=4)
     running = [seq(1, 38), seq(2, 33), seq(3, 24), seq(4, 22)]
