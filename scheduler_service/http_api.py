@@ -4,7 +4,8 @@
       -d '{"inputs": "Hello", "parameters": {"max_new_tokens": 50}, "cached_prompt": "..."}'
 
 answers `{"generated_text": ...}`; with `"stream": true` it answers JSON lines, one per
-token (`{"token": {"id", "text", "log_prob"}}`), then one with `generated_text` and
+token (`{"token": {"id", "text", "log_prob"}}`), then one with `text` (what the end released),
+`generated_text` and
 `details`. Requests go through the same validation and queue as the gRPC API.
 """
 
@@ -138,7 +139,10 @@ class InvocationsApp:
             if isinstance(ev, TokenEvent):
                 line = {"token": {"id": ev.token_id, "text": ev.text, "log_prob": ev.logprob}}
             else:
-                line = {"generated_text": "".join(parts), "details": _details(ev)}
+                # `text`: what the end released (held-back stop prefix, an incomplete
+                # last character), so the token texts plus it make generated_text.
+                line = {"text": ev.text, "generated_text": "".join(parts),
+                        "details": _details(ev)}
                 if ev.reason == FinishReason.ERROR:
                     line = {"error": ev.error, "code": 503}
             await resp.write((json.dumps(line) + "\n").encode())

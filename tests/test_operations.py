@@ -74,7 +74,7 @@ def test_seed_curl_request_both_forms(llama_dir, deploy):
     events = [json.loads(x) for x in lines]
     tokens = [e["token"] for e in events if "token" in e]
     assert tokens and all(isinstance(t["id"], int) for t in tokens)
-    assert events[-1]["generated_text"] == "".join(t["text"] for t in tokens)
+    assert events[-1]["generated_text"] == "".join(t["text"] for t in tokens) + events[-1]["text"]
     assert events[-1]["details"]["generated_tokens"] == len(tokens)
 
     bad = subprocess.run(["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "-X", "POST",
