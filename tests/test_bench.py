@@ -1,4 +1,4 @@
-"""The benchmark harness (client/bench/): workloads, arrivals, statistics, and tiny end-to-end runs."""
+"""The benchmark harness (client/bench/): workloads, arrivals, statistics, tiny end-to-end runs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`make bench-peers` ends with this: vLLM and the torch beside it import, and say their versions."""
+"""`make bench-peers` ends with this: vLLM and the torch beside it import and say their versions."""
 
 if __name__ == "__main__":
     import torch

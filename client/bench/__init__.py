@@ -1,11 +1,12 @@
-"""Benchmarks: seqserve against its peers, the splitting sweep, the prefix cache, and a load generator.
+"""Benchmarks: seqserve against its peers, splitting sweep, prefix cache, a load generator.
 
     python -m client.bench throughput   # seqserve vs HF generate, output tokens/s (issue 2)
     python -m client.bench sweep        # max_sparsity x max_splits grid (issue 3)
     python -m client.bench partition    # plan_partition time for 512 lengths (issue 3)
-    python -m client.bench prefix       # cached_prompt TTFT warm vs off; Mooncake replay (issue 5)
+    python -m client.bench prefix       # cached_prompt TTFT warm vs off, Mooncake (issue 5)
     python -m client.bench peers        # seqserve vs HF, transformers CB, vLLM; ceiling (issue 7)
-    python -m client.bench serve        # load generator: all at once, Poisson, trace times (issue 7)
+    python -m client.bench serve        # load generator: at once, Poisson, trace times (issue 7)
+    python -m client.bench ceiling      # the model's own forward throughput at given shapes
     python -m client.bench all          # every figure of docs/benchmarks.md
 
 `seqserve bench ARGS` is the same. With no subcommand `throughput` runs.

@@ -127,6 +127,17 @@ def workload_line(meta: dict) -> str:
             f"start), seed {meta['seed']}.")
 
 
+def server_flags(args) -> list[str]:
+    """--server-option KEY=VALUE (repeatable) as flags for both seqserve processes."""
+    flags = []
+    for opt in getattr(args, "server_option", None) or ():
+        key, sep, value = opt.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--server-option wants KEY=VALUE, got {opt!r}")
+        flags += [f"--{key.strip().replace('_', '-')}", value.strip()]
+    return flags
+
+
 def _slo(args) -> Slo | None:
     slo = Slo(args.goodput_ttft_ms, args.goodput_tpot_ms, args.goodput_e2e_ms)
     return slo if slo else None
@@ -174,7 +185,7 @@ def run_seqserve_offline(args, model_dir, requests, tokenizer, meta, name: str,
                           max_rolling_batch_size=args.max_rolling_batch_size,
                           logdir=Path(args.out) / "logs" / name, dtype=meta["dtype"],
                           device=args.device, slo=slo, profile_dir=profile,
-                          poll_interval=1.0)  # the peak gauge is not reported here: poll less
+                          poll_interval=1.0, server_flags=server_flags(args))  # the peak gauge is not reported here: poll less
 
 
 def cmd_throughput(args, prepared=None) -> dict:
@@ -203,7 +214,8 @@ def cmd_sweep(args, prepared=None) -> dict:
             summary = bench_seqserve(
                 model_dir, requests, tokenizer, max_sparsity=s, max_splits=k,
                 max_rolling_batch_size=args.max_rolling_batch_size, dtype=meta["dtype"],
-                logdir=out_dir / "logs" / f"sweep-s{s:g}-k{k}", device=args.device)
+                logdir=out_dir / "logs" / f"sweep-s{s:g}-k{k}", device=args.device,
+                server_flags=server_flags(args))
             summary.pop("per_request")
             result["runs"].append(summary)
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -313,7 +325,8 @@ def _cached_prompt_part(args, model_dir: Path, tokenizer) -> dict:
     for name, flags in (("cache_warm", ()), ("cache_off", CACHE_OFF)):
         with SeqserveTarget(model_dir, tokenizer, logdir=Path(args.out) / "logs" / f"prefix-{name}",
                             dtype=dtype, device=args.device, worker_flags=flags,
-                            max_rolling_batch_size=args.max_rolling_batch_size) as target:
+                            max_rolling_batch_size=args.max_rolling_batch_size,
+                            server_flags=server_flags(args)) as target:
             target.run(reqs[:1], sequential=True)  # fills the cache (when it is on)
             s = target.run(reqs[1:], sequential=True)
         ttfts = [r["ttft_s"] for r in s["per_request"]]
@@ -378,7 +391,8 @@ def _mooncake_part(args, tokenizer) -> dict:
     for name, flags in (("cache_on", ()), ("cache_off", CACHE_OFF)):
         with SeqserveTarget(model_dir, tok, logdir=Path(args.out) / "logs" / f"mooncake-{name}",
                             dtype=dtype, device=args.device, worker_flags=flags,
-                            max_rolling_batch_size=args.max_rolling_batch_size) as target:
+                            max_rolling_batch_size=args.max_rolling_batch_size,
+                            server_flags=server_flags(args)) as target:
             s = target.run(requests, offsets, args.mooncake_max_concurrency)
         sent = s["input_tokens"]
         s["prefix_hit_rate_worker"] = s["worker"]["prefix_cache_hit_tokens"] / sent
@@ -636,7 +650,8 @@ def cmd_serve(args, prepared=None) -> dict:
                             device=args.device, max_sparsity=args.max_sparsity,
                             max_splits=args.max_splits,
                             max_rolling_batch_size=args.max_rolling_batch_size,
-                            address=args.address, metrics_url=args.metrics_url)
+                            address=args.address, metrics_url=args.metrics_url,
+                            server_flags=server_flags(args))
     points: list[dict] = []
     with target:
         if sweep:
@@ -848,6 +863,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                    help="worker and in-process peer device (auto: cuda when torch sees it)")
     g.add_argument("--max-rolling-batch-size", type=int, default=64,
                    help="seqserve's batch limit, and vLLM's max_num_seqs (64)")
+    g.add_argument("--server-option", action="append", metavar="KEY=VALUE",
+                   help="any seqserve serving option for both processes, e.g. "
+                        "max_prefill_tokens=2048 (repeatable)")
     g.add_argument("--log-level", default="INFO")
 
     srv = argparse.ArgumentParser(add_help=False)

@@ -38,12 +38,14 @@ class Deployment:
 
     def __init__(self, model_dir: Path, logdir: Path, *, max_sparsity: float, max_splits: int,
                  max_rolling_batch_size: int, dtype: str = "auto", device: str = "auto",
-                 worker_flags: Sequence[str] = (), start_timeout: float = 300.0):
+                 worker_flags: Sequence[str] = (), server_flags: Sequence[str] = (),
+                 start_timeout: float = 300.0):
         self.model_dir, self.logdir = Path(model_dir).resolve(), Path(logdir)
         self.scheduler_flags = ["--max-sparsity", str(max_sparsity), "--max-splits",
                                 str(max_splits), "--max-rolling-batch-size",
                                 str(max_rolling_batch_size)]
         self.worker_flags = list(worker_flags)  # any serving option, e.g. --prompt-cache-bytes 0
+        self.server_flags = list(server_flags)  # given to both processes
         self.dtype, self.device, self.start_timeout = dtype, device, start_timeout
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.worker_ports: dict = {}
@@ -79,18 +81,18 @@ class Deployment:
             self.worker_ports = self._spawn("worker", "worker_service.main", [
                 "--model-id", str(self.model_dir), "--host", "127.0.0.1", "--worker-port", "0",
                 "--worker-metrics-port", "0", "--dtype", self.dtype, "--device", self.device,
-                *self.worker_flags])
+                *self.server_flags, *self.worker_flags])
             self.scheduler_ports = self._spawn("scheduler", "scheduler_service.main", [
                 "--model-id", str(self.model_dir), "--host", "127.0.0.1", "--port", "0",
                 "--metrics-port", "0", "--http-port", "-1",
                 "--worker-addresses", f"127.0.0.1:{self.worker_ports['grpc']}",
-                *self.scheduler_flags])
+                *self.scheduler_flags, *self.server_flags])
             self._wait_serving(time.monotonic() + self.start_timeout)
         except BaseException:
             self.stop()
             raise
         logger.info("deployment up in %.1f s at %s (%s; logs in %s)", time.perf_counter() - t0,
-                    self.address, " ".join(self.scheduler_flags + self.worker_flags), self.logdir)
+                    self.address, " ".join(self.scheduler_flags + self.server_flags + self.worker_flags), self.logdir)
         return self
 
     def _wait_serving(self, deadline: float) -> None:

@@ -106,15 +106,19 @@ class SeqserveTarget:
                  device: str = "auto", max_sparsity: float = 0.33, max_splits: int = 3,
                  max_rolling_batch_size: int = 64, worker_flags: Sequence[str] = (),
                  address: str | None = None, metrics_url: str | None = None,
-                 poll_interval: float = 1.0, warm: bool = True):
+                 poll_interval: float = 1.0, warm: bool = True,
+                 server_flags: Sequence[str] = ()):
         self.config = {"max_sparsity": max_sparsity, "max_splits": max_splits,
                        "max_rolling_batch_size": max_rolling_batch_size}
         if worker_flags:
             self.config["worker_flags"] = list(worker_flags)
+        if server_flags:
+            self.config["server_flags"] = list(server_flags)
         self.tokenizer, self.poll_interval, self.warm = tokenizer, poll_interval, warm
         self.deployment = None if address else Deployment(
             model_dir, logdir, dtype=dtype, device=device, worker_flags=worker_flags,
-            **{k: v for k, v in self.config.items() if k != "worker_flags"})
+            server_flags=server_flags, max_sparsity=max_sparsity, max_splits=max_splits,
+            max_rolling_batch_size=max_rolling_batch_size)
         self._address, self._metrics_url = address, metrics_url
         if address:  # a server someone else started: its configuration is not ours to say
             self.config = {"external_address": address}
@@ -201,7 +205,7 @@ def bench_seqserve(model_dir: Path, requests: Sequence[BenchRequest], tokenizer,
                    max_sparsity: float, max_splits: int, max_rolling_batch_size: int,
                    logdir: Path, dtype: str, device: str, poll_interval: float = 0.1,
                    worker_flags: Sequence[str] = (), slo: Slo | None = None,
-                   profile_dir: Path | None = None) -> dict:
+                   profile_dir: Path | None = None, server_flags: Sequence[str] = ()) -> dict:
     """Start a deployment, warm it up with one short request, run `requests` at once, stop it.
 
     With `profile_dir`, a second run of the same shape (fresh prompts) follows with py-spy
@@ -210,7 +214,8 @@ def bench_seqserve(model_dir: Path, requests: Sequence[BenchRequest], tokenizer,
     with SeqserveTarget(model_dir, tokenizer, logdir=logdir, dtype=dtype, device=device,
                         max_sparsity=max_sparsity, max_splits=max_splits,
                         max_rolling_batch_size=max_rolling_batch_size,
-                        worker_flags=worker_flags, poll_interval=poll_interval) as target:
+                        worker_flags=worker_flags, poll_interval=poll_interval,
+                        server_flags=server_flags) as target:
         summary = target.run(requests, slo=slo)
         if profile_dir is not None:
             profiled = target.run(fresh_prompts(tokenizer, requests), profile_dir=profile_dir)

@@ -195,7 +195,8 @@ def round_trip_tokens(tokenizer) -> list[int]:
     return safe
 
 
-def make_prompt(tokenizer, n: int, rng: random.Random, safe: Sequence[int]) -> tuple[str, list[int]]:
+def make_prompt(tokenizer, n: int, rng: random.Random,
+                safe: Sequence[int]) -> tuple[str, list[int]]:
     """Random text of exactly `n` tokens (as the scheduler tokenizes it) and its token ids."""
     if n < 1:
         raise ValueError(f"prompt length must be >= 1, got {n}")
