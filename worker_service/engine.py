@@ -290,9 +290,9 @@ class Engine:
         for i in direct:
             group.lengths[row_start + i] += 1
         if direct:
-            full = torch.empty(len(seqs), logits.shape[-1], device=logits.device)
-            full[direct] = logits
-            self._emit(seqs, direct, full, result)
+            # `logits` already holds just the direct rows, in order: no scatter into a
+            # batch-sized buffer and gather back out.
+            self._emit([seqs[i] for i in direct], list(range(len(direct))), logits, result)
         for i, probs in cand_probs.items():
             self._pick_candidate(group, row_start + i, seqs[i], inputs[i], probs,
                                  hidden[i, : len(inputs[i])], result)
