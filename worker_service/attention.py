@@ -2,18 +2,23 @@
 
 transformers lets a project register its own attention (`AttentionInterface`); models
 loaded with `attn_implementation="seqserve"` call `seqserve_attention` in every layer.
-The worker passes a boolean 4D mask [rows, 1, q, kv] that transformers hands through
-unchanged. Decoding (one query per row) uses two batched matmuls, which on CPU is far
-faster than the SDPA kernel at query length 1; longer queries use SDPA.
+While the runner executes a packed forward (`packed_batch.py`) the function hands each
+layer to that batch, which attends per segment over the group buffers; otherwise (the
+load-time shape probe) it is plain SDPA over what the cache returned.
 """
 
 from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
 ATTN_IMPLEMENTATION = "seqserve"
+
+_active = threading.local()
 
 
 def build_mask(starts: torch.Tensor, q_len: int, kv_len: int, tree: torch.Tensor | None = None,
@@ -38,27 +43,28 @@ def build_mask(starts: torch.Tensor, q_len: int, kv_len: int, tree: torch.Tensor
     return mask[:, None]
 
 
+@contextmanager
+def active_batch(batch):
+    """Route this thread's attention calls to `batch` (a PackedBatch) for the duration."""
+    _active.batch = batch
+    try:
+        yield
+    finally:
+        _active.batch = None
+
+
 def seqserve_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                        **kwargs):
-    """query [rows, heads, q, dim]; key/value [rows, kv_heads, kv, dim] (strided views)."""
-    rows, heads, q_len, dim = query.shape
-    kv_heads = key.shape[1]
+    """query [batch, heads, q, dim]; key/value [batch, kv_heads, kv, dim]."""
+    dim = query.shape[-1]
     if scaling is None:
         scaling = dim**-0.5
-    if q_len == 1:
-        group = heads // kv_heads
-        # Heads h*group .. h*group+group-1 share kv head h, as repeat_kv would arrange them.
-        q = query.reshape(rows, kv_heads, group, dim)
-        scores = torch.matmul(q, key.transpose(-1, -2)).float()  # [rows, kv_heads, group, kv]
-        scores.mul_(scaling)
-        if attention_mask is not None:
-            scores.masked_fill_(~attention_mask[:, :, 0, :].unsqueeze(1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(value.dtype)
-        out = torch.matmul(probs, value)  # [rows, kv_heads, group, dim]
-        return out.reshape(rows, 1, heads, value.shape[-1]), None
+    batch = getattr(_active, "batch", None)
+    if batch is not None:
+        return batch.attend(query, key, value, scaling), None
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, scale=scaling,
-        enable_gqa=kv_heads != heads)
+        enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 

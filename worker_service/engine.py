@@ -14,6 +14,7 @@ import torch
 from worker_service import sampling
 from worker_service.kv_groups import KVGroup
 from worker_service.model_runner import ModelRunner
+from worker_service.packed_batch import PackedBatch, RowSegment
 from worker_service.prefix_cache import PrefixCache
 from worker_service.sequence import SamplingParams, SequenceState
 
@@ -117,11 +118,7 @@ class Engine:
                 pin_tokens=ns.pin_tokens)
         groups, old_counts, dropped_bytes = self._regroup(plan, new_ids)
         result.regroup_seconds = time.perf_counter() - t0
-        for group, n_old in zip(groups, old_counts):
-            if n_old:
-                self._decode(group, 0, n_old, result)
-            if group.rows > n_old:
-                self._prefill(group, n_old, result)
+        self._run(groups, old_counts, result)
         result.kv_slots, result.kv_tokens = self.kv_usage()
         result.regroup_bytes = self._copied() + dropped_bytes
         result.total_seconds = time.perf_counter() - t0
@@ -193,44 +190,110 @@ class Engine:
 
     # --- forwards --------------------------------------------------------------------
 
-    def _prefill(self, group: KVGroup, row_start: int, result: StepResult) -> None:
-        rows = range(row_start, group.rows)
-        seqs = [self.sequences[group.seq_ids[r]] for r in rows]
-        lengths = [len(s.token_ids) for s in seqs]
-        headroom = max(max(s.params.top_k, 1) for s in seqs) + 1
-        group.ensure_capacity(group.rows, max(lengths) + headroom)
+    def _run(self, groups: list[KVGroup], old_counts: list[int], result: StepResult) -> None:
+        """One packed forward over every row: rows [0, n_old) of each group decode (one
+        token, or contrastive candidates), the rest prefill their prompts."""
+        self._reserve(groups, old_counts)
         t = time.perf_counter()
-        starts_list = [self._reuse_prefix(group, r, s) for r, s in zip(rows, seqs)]
+        starts = {}
+        for group, n_old in zip(groups, old_counts):
+            for r in range(n_old, group.rows):
+                starts[group.seq_ids[r]] = self._reuse_prefix(group, r, self._seq(group, r))
         result.regroup_seconds += time.perf_counter() - t
-        q_len = max(n - st for n, st in zip(lengths, starts_list))
-        ids = torch.zeros(len(seqs), q_len, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            todo = s.token_ids[starts_list[i]:]
-            ids[i, : len(todo)] = torch.tensor(todo)
-            ids[i, len(todo):] = todo[0]
-        ids = ids.to(self.device)
-        starts = torch.tensor(starts_list, dtype=torch.long, device=self.device)
+
+        batch = PackedBatch(self.device, self.runner.sliding_window)
+        direct: list[tuple[SequenceState, int]] = []  # sequence, token whose logits it samples
+        decoded: list[tuple[KVGroup, int]] = []
+        trees: list[tuple[KVGroup, int, SequenceState, list[int], torch.Tensor, RowSegment]] = []
+        prefills: list[tuple[KVGroup, int, SequenceState, RowSegment]] = []
+        for group, n_old in zip(groups, old_counts):
+            r = 0
+            while r < n_old:
+                seq = self._seq(group, r)
+                if seq.contrastive:
+                    trees.append(self._add_candidates(batch, group, r, seq, result))
+                    r += 1
+                    continue
+                end = r
+                while end < n_old and not self._seq(group, end).contrastive:
+                    end += 1
+                seqs = [self._seq(group, x) for x in range(r, end)]
+                seg = batch.add_decode(group, r, end, [s.pending for s in seqs])
+                direct += [(s, seg.token_start + i) for i, s in enumerate(seqs)]
+                decoded += [(group, x) for x in range(r, end)]
+                r = end
+            for r in range(n_old, group.rows):
+                seq = self._seq(group, r)
+                start = starts[seq.seq_id]
+                seg = batch.add_row(group, r, seq.token_ids[start:], start)
+                prefills.append((group, r, seq, seg))
+                if not seq.contrastive:
+                    direct.append((seq, seg.token_start + seg.num_tokens - 1))
+        if not batch.num_tokens:
+            return
+
         t = time.perf_counter()
-        hidden = self.runner.forward(group, row_start, group.rows, ids, starts)
-        last = torch.tensor([n - st - 1 for n, st in zip(lengths, starts_list)], device=self.device)
-        last_hidden = hidden[torch.arange(len(seqs), device=self.device), last]
-        logits = self.runner.logits(last_hidden)
+        hidden = self.runner.forward(batch)
+        logits = self.runner.logits(hidden[[i for _, i in direct]]) if direct else None
         result.forward_seconds += time.perf_counter() - t
+        for group, r in decoded:
+            group.lengths[r] += 1
         t = time.perf_counter()
-        for i, r in enumerate(rows):
-            group.lengths[r] = lengths[i]
+        for group, r, seq, _ in prefills:
+            group.lengths[r] = len(seq.token_ids)
             if self.prefix_cache is not None:
-                self.prefix_cache.insert(seqs[i].token_ids, group, r, seqs[i].pin_tokens)
+                self.prefix_cache.insert(seq.token_ids, group, r, seq.pin_tokens)
         result.regroup_seconds += time.perf_counter() - t
-        direct = [i for i, s in enumerate(seqs) if not s.contrastive]
-        self._emit(seqs, direct, logits, result)
-        contrastive = [i for i, s in enumerate(seqs) if s.contrastive]
-        for i in contrastive:
-            s = seqs[i]
-            s.append_hidden(hidden[i, : lengths[i]])
-            s.next_logits = logits[i]
-        if contrastive:
-            self._decode(group, row_start + contrastive[0], group.rows, result)
+        if direct:
+            self._emit([s for s, _ in direct], logits, result)
+        for group, r, seq, cand_ids, probs, seg in trees:
+            self._pick_candidate(group, r, seq, cand_ids, probs, self._tokens(hidden, seg), result)
+
+        # Contrastive prompts prefilled just now: their first token needs a candidate pass.
+        fresh = [(group, r, seq, seg) for group, r, seq, seg in prefills if seq.contrastive]
+        if not fresh:
+            return
+        t = time.perf_counter()
+        for _, _, seq, seg in fresh:
+            prompt_hidden = self._tokens(hidden, seg)
+            seq.append_hidden(prompt_hidden)
+            seq.next_logits = self.runner.logits(prompt_hidden[-1])
+        result.forward_seconds += time.perf_counter() - t
+        batch = PackedBatch(self.device, self.runner.sliding_window)
+        trees = [self._add_candidates(batch, group, r, seq, result) for group, r, seq, _ in fresh]
+        t = time.perf_counter()
+        hidden = self.runner.forward(batch)
+        result.forward_seconds += time.perf_counter() - t
+        for group, r, seq, cand_ids, probs, seg in trees:
+            self._pick_candidate(group, r, seq, cand_ids, probs, self._tokens(hidden, seg), result)
+
+    def _seq(self, group: KVGroup, row: int) -> SequenceState:
+        return self.sequences[group.seq_ids[row]]
+
+    @staticmethod
+    def _tokens(hidden: torch.Tensor, seg: RowSegment) -> torch.Tensor:
+        return hidden[seg.token_start : seg.token_start + seg.num_tokens]
+
+    def _reserve(self, groups: list[KVGroup], old_counts: list[int]) -> None:
+        """Grow buffers for this step's writes before any segment takes views of them."""
+        for group, n_old in zip(groups, old_counts):
+            need = 0
+            for r in range(group.rows):
+                seq = self._seq(group, r)
+                extra = max(seq.params.top_k, 1) if seq.contrastive else 1
+                held = group.lengths[r] if r < n_old else len(seq.token_ids)
+                need = max(need, held + extra + 1)
+            group.ensure_capacity(group.rows, need)
+
+    def _add_candidates(self, batch: PackedBatch, group: KVGroup, row: int, seq: SequenceState,
+                        result: StepResult):
+        """Contrastive search: the top-k candidates as a tree segment after the context."""
+        t = time.perf_counter()
+        ids, probs = sampling.contrastive_candidates(seq)
+        cand_ids = ids.tolist()
+        result.sampling_seconds += time.perf_counter() - t
+        seg = batch.add_row(group, row, cand_ids, group.lengths[row], tree=True)
+        return group, row, seq, cand_ids, probs, seg
 
     def _reuse_prefix(self, group: KVGroup, row: int, seq: SequenceState) -> int:
         """Copy the longest cached prefix into the row; returns the tokens reused."""
@@ -243,59 +306,16 @@ class Engine:
         seq.cached_tokens = reuse
         return reuse
 
-    def _emit(self, seqs: list[SequenceState], idx: list[int], logits: torch.Tensor,
-              result: StepResult) -> None:
-        if not idx:
-            return
+    def _emit(self, seqs: list[SequenceState], logits: torch.Tensor, result: StepResult) -> None:
+        """Greedy and sampled sequences: choose from their logits rows [len(seqs), V]."""
         t = time.perf_counter()
-        chosen = sampling.choose_tokens(logits[idx], [seqs[i] for i in idx])
-        for i, c in zip(idx, chosen):
-            s = seqs[i]
+        chosen = sampling.choose_tokens(logits, seqs)
+        for s, c in zip(seqs, chosen):
             s.accept(c.token_id)
             s.pending = c.token_id
             result.tokens.append(TokenOut(s.seq_id, c.token_id, c.logprob, c.top,
                                           s.cached_tokens))
         result.sampling_seconds += time.perf_counter() - t
-
-    def _decode(self, group: KVGroup, row_start: int, row_end: int, result: StepResult) -> None:
-        """One forward over rows [row_start, row_end): last tokens, or contrastive candidates."""
-        seqs = [self.sequences[group.seq_ids[r]] for r in range(row_start, row_end)]
-        t = time.perf_counter()
-        inputs: list[list[int]] = []
-        cand_probs: dict[int, torch.Tensor] = {}
-        for i, s in enumerate(seqs):
-            if s.contrastive:
-                ids, probs = sampling.contrastive_candidates(s)
-                inputs.append(ids.tolist())
-                cand_probs[i] = probs
-            else:
-                inputs.append([s.pending])
-        result.sampling_seconds += time.perf_counter() - t
-        q_len = max(len(x) for x in inputs)
-        ids = torch.tensor([x + [x[0]] * (q_len - len(x)) for x in inputs], dtype=torch.long,
-                           device=self.device)
-        starts = torch.tensor(group.lengths[row_start:row_end], dtype=torch.long,
-                              device=self.device)
-        group.ensure_capacity(group.rows, int(starts.max()) + q_len + 1)
-        tree = None
-        if cand_probs:
-            tree = torch.zeros(len(seqs), dtype=torch.bool)
-            tree[list(cand_probs)] = True
-            tree = tree.to(self.device)
-        t = time.perf_counter()
-        hidden = self.runner.forward(group, row_start, row_end, ids, starts, tree)
-        direct = [i for i, s in enumerate(seqs) if not s.contrastive]
-        logits = self.runner.logits(hidden[direct, 0]) if direct else None
-        result.forward_seconds += time.perf_counter() - t
-        for i in direct:
-            group.lengths[row_start + i] += 1
-        if direct:
-            # `logits` already holds just the direct rows, in order: no scatter into a
-            # batch-sized buffer and gather back out.
-            self._emit([seqs[i] for i in direct], list(range(len(direct))), logits, result)
-        for i, probs in cand_probs.items():
-            self._pick_candidate(group, row_start + i, seqs[i], inputs[i], probs,
-                                 hidden[i, : len(inputs[i])], result)
 
     def _pick_candidate(self, group: KVGroup, row: int, seq: SequenceState, cand_ids: list[int],
                         probs: torch.Tensor, cand_hidden: torch.Tensor, result: StepResult) -> None:

@@ -5,9 +5,9 @@ Layout: each group holds, per layer, a preallocated key and value buffer of shap
 tokens sit at slots 0..length-1 (start-aligned, so the padding is at the end of short
 rows). That is the same padding cost as left padding, but rows of different groups can
 be merged or split without shifting anything, and new keys are written in place at each
-row's own next slot, so a decoding step never copies the cache. Positions and the
-attention mask (built per forward in `attention.py`) make padded results equal
-unpadded ones.
+row's own next slot, so a decoding step never copies the cache. A step's forward
+(`packed_batch.py`) writes and reads these buffers in place; per-row masks make padded
+results equal unpadded ones.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-from transformers import Cache
 
 logger = logging.getLogger(__name__)
 
@@ -164,58 +163,3 @@ class KVGroup:
         for layer in range(self.shape.num_layers):
             self.keys[layer][row, :, dst_slot] = self.keys[layer][row, :, src_slot]
             self.values[layer][row, :, dst_slot] = self.values[layer][row, :, src_slot]
-
-
-class GroupForwardCache(Cache):
-    """The Cache a model sees during one forward over rows [row_start, row_end) of a group.
-
-    `update` writes the new keys and values of row r at slots starts[r] .. starts[r]+q-1,
-    in place, and returns views of the buffers up to the longest row: no copy of the
-    cache is made. The mask that hides padding and future slots comes from `attention.py`.
-    """
-
-    def __init__(self, group: KVGroup, row_start: int, row_end: int, starts: torch.Tensor,
-                 q_len: int):
-        # Deliberately not calling Cache.__init__: this adapter has no per-layer objects,
-        # it routes writes into the group's buffers. No per-layer objects: transformers'
-        # layer-type queries (is_sliding, ...) then see an empty list.
-        self.layers = []
-        self.group = group
-        self.row_start, self.row_end = row_start, row_end
-        self.starts = starts  # [rows] long tensor on the cache device
-        self.q_len = q_len
-        self.kv_len = int(starts.max().item()) + q_len if starts.numel() else q_len
-        self.uniform_start = bool((starts == starts[0]).all().item()) if starts.numel() else True
-        self._first_start = int(starts[0].item()) if starts.numel() else 0
-        if not self.uniform_start:
-            rows = torch.arange(row_start, row_end, device=starts.device)
-            slots = starts[:, None] + torch.arange(q_len, device=starts.device)[None, :]
-            self._row_index = rows[:, None].expand_as(slots)
-            self._slot_index = slots
-
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        k_buf = self.group.keys[layer_idx]
-        v_buf = self.group.values[layer_idx]
-        r0, r1 = self.row_start, self.row_end
-        if self.uniform_start:
-            s = self._first_start
-            k_buf[r0:r1, :, s : s + self.q_len] = key_states
-            v_buf[r0:r1, :, s : s + self.q_len] = value_states
-        else:
-            # Advanced indices on dims 0 and 2 put them first: [rows, q, heads, dim].
-            k_buf[self._row_index, :, self._slot_index] = key_states.transpose(1, 2)
-            v_buf[self._row_index, :, self._slot_index] = value_states.transpose(1, 2)
-        return k_buf[r0:r1, :, : self.kv_len], v_buf[r0:r1, :, : self.kv_len]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.kv_len - self.q_len
-
-    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return self.group.length_capacity
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    def __len__(self) -> int:
-        return self.group.shape.num_layers

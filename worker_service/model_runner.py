@@ -9,7 +9,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Cache, GenerationConfig
 
 from worker_service import attention
-from worker_service.kv_groups import GroupForwardCache, KVGroup, KVShape
+from worker_service.kv_groups import KVShape
+from worker_service.packed_batch import PackedBatch, PackedCache
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ class ModelRunner:
             hidden_size=int(self.lm_head.weight.shape[1]),
         )
         self.kv_shape = self._probe_kv_shape()
+        self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         logger.info("loaded %s (%s) on %s in %s; KV %d bytes per token", model_id,
                     self.facts.architecture, self.device, dtype, self.kv_shape.bytes_per_token)
 
@@ -126,23 +128,20 @@ class ModelRunner:
             dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
-    def forward(self, group: KVGroup, row_start: int, row_end: int, input_ids: torch.Tensor,
-                starts: torch.Tensor, tree: torch.Tensor | None = None) -> torch.Tensor:
-        """Run rows [row_start, row_end) of `group` on `input_ids` [rows, q].
-
-        Row r's tokens take positions starts[r] .. starts[r]+q-1 (tree rows: all at
-        starts[r]) and their KV is written at those slots. Returns the last-layer hidden
-        states [rows, q, hidden].
-        """
-        q_len = input_ids.shape[1]
-        cache = GroupForwardCache(group, row_start, row_end, starts, q_len)
-        mask = attention.build_mask(starts, q_len, cache.kv_len, tree, self.sliding_window)
-        positions = starts[:, None] + torch.arange(q_len, device=self.device)[None, :]
-        if tree is not None:
-            positions = torch.where(tree[:, None], starts[:, None], positions)
-        out = self.base(input_ids=input_ids, position_ids=positions, attention_mask=mask,
-                        past_key_values=cache, use_cache=True)
-        return out.last_hidden_state
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        """Run every token of `batch` in one forward; returns last-layer hidden states
+        [tokens, hidden]. Each segment's keys and values land in its group's buffers."""
+        n = batch.num_tokens
+        ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)[None]
+        positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)[None]
+        # Attention masks itself per segment; transformers passes a 4D mask through
+        # untouched, and this expanded view costs no memory.
+        mask = self._no_mask.expand(1, 1, n, n)
+        cache = PackedCache(batch, self.kv_shape.num_layers)
+        with attention.active_batch(batch):
+            out = self.base(input_ids=ids, position_ids=positions, attention_mask=mask,
+                            past_key_values=cache, use_cache=True)
+        return out.last_hidden_state[0]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -36,6 +37,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.kv_capacity_tokens = 0
         self.metrics = metrics
         self._lock = threading.Lock()
+        # Every Step runs on this one thread. gRPC hands each call to any of its pool's
+        # threads, and OpenMP gives every calling thread its own team of compute threads,
+        # which spin for a while after each parallel region: Steps on changing threads
+        # leave idle teams spinning on the cores the current team needs.
+        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
     def attach(self, engine: Engine) -> None:
         self.kv_capacity_tokens = self.kv_cache_bytes // engine.runner.kv_shape.bytes_per_token
@@ -63,7 +69,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def Reset(self, request, context):
         engine = self._ready(context)
         with self._lock:
-            engine.reset()
+            self._engine_thread.submit(engine.reset).result()
         logger.info("reset: all sequences dropped")
         return worker_pb2.ResetResponse(instance_id=self.instance_id)
 
@@ -75,7 +81,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         engine = self._ready(context)
         with self._lock:
             try:
-                result = engine.step(list(request.release), prefill, plan)
+                result = self._engine_thread.submit(
+                    engine.step, list(request.release), prefill, plan).result()
             except StepError as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         if self.metrics is not None:

@@ -1,0 +1,188 @@
+"""One forward over every token of a step, packed into a single sequence.
+
+The linear layers (about nine tenths of a forward's work) do not care which sequence a
+token belongs to, so a step runs them once over all of its tokens: the decoding rows
+of every group and the whole prompts being prefilled, with no padding. Only attention
+is per sequence. Each token knows its segment:
+
+- `DecodeSegment`: rows [row_start, row_end) of one group, one token each. Attention
+  reads the group's padded buffers (the padding that max-sparsity splitting bounds).
+- `RowSegment`: several tokens of one row: a prompt (or what is left of it after a
+  prefix-cache hit), or contrastive candidates (a tree: all at one position, each
+  seeing the context and itself).
+
+`PackedCache` is the transformers Cache the model sees: it writes each segment's new
+keys and values into its group's buffers. `attend` is the attention that
+`attention.seqserve_attention` dispatches to while a batch is active.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import Cache
+
+from worker_service.attention import build_mask
+from worker_service.kv_groups import KVGroup
+
+
+@dataclass
+class DecodeSegment:
+    """Rows [row_start, row_end) of `group`, one token each, at slot = the row's length."""
+
+    group: KVGroup
+    row_start: int
+    row_end: int
+    token_start: int  # first of this segment's tokens in the packed batch
+    slots: torch.Tensor  # [rows] the slot each row's token is written to
+    rows_index: torch.Tensor  # [rows] row numbers, for the scattered write
+    kv_len: int
+    mask: torch.Tensor  # [rows, 1, 1, kv_len] bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.row_end - self.row_start
+
+
+@dataclass
+class RowSegment:
+    """`num_tokens` tokens of one row, written at slots start .. start + num_tokens - 1."""
+
+    group: KVGroup
+    row: int
+    token_start: int
+    num_tokens: int
+    start: int  # slots before this one already hold the row's KV
+    mask: torch.Tensor | None  # [1, 1, q, kv] bool; None: plain causal over the new tokens
+
+    @property
+    def kv_len(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass
+class PackedBatch:
+    """The tokens of one forward, their positions, and the segments they form."""
+
+    device: torch.device
+    sliding_window: int | None = None
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    segments: list[DecodeSegment | RowSegment] = field(default_factory=list)
+    layer: int = -1  # the layer whose keys were written last: the one attending next
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def add_decode(self, group: KVGroup, row_start: int, row_end: int,
+                   token_ids: list[int]) -> DecodeSegment:
+        """One token per row; each row's token goes at its current length."""
+        lengths = group.lengths[row_start:row_end]
+        slots = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        kv_len = max(lengths) + 1
+        seg = DecodeSegment(
+            group, row_start, row_end, self.num_tokens, slots,
+            torch.arange(row_start, row_end, device=self.device), kv_len,
+            build_mask(slots, 1, kv_len, None, self.sliding_window))
+        self.token_ids += token_ids
+        self.positions += lengths
+        self.segments.append(seg)
+        return seg
+
+    def add_row(self, group: KVGroup, row: int, token_ids: list[int], start: int,
+                tree: bool = False) -> RowSegment:
+        """Causal tokens at positions start.. (a prompt), or a tree of candidates that all
+        sit at position `start`."""
+        n = len(token_ids)
+        mask = None
+        window = self.sliding_window
+        if tree or start > 0 or (window is not None and n > window):
+            starts = torch.tensor([start], dtype=torch.long, device=self.device)
+            tree_t = torch.ones(1, dtype=torch.bool, device=self.device) if tree else None
+            mask = build_mask(starts, n, start + n, tree_t, window)
+        seg = RowSegment(group, row, self.num_tokens, n, start, mask)
+        self.token_ids += token_ids
+        self.positions += [start] * n if tree else list(range(start, start + n))
+        self.segments.append(seg)
+        return seg
+
+    # --- what the model calls, layer by layer ----------------------------------------------
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store the new keys/values [1, kv_heads, T, dim] of every segment in its group."""
+        self.layer = layer
+        for seg in self.segments:
+            a, b = seg.token_start, seg.token_start + seg.num_tokens
+            k_buf, v_buf = seg.group.keys[layer], seg.group.values[layer]
+            if isinstance(seg, DecodeSegment):
+                # Advanced indices on dims 0 and 2 put them first: [rows, heads, dim].
+                k_buf[seg.rows_index, :, seg.slots] = key[0, :, a:b].transpose(0, 1)
+                v_buf[seg.rows_index, :, seg.slots] = value[0, :, a:b].transpose(0, 1)
+            else:
+                k_buf[seg.row, :, seg.start : seg.start + seg.num_tokens] = key[0, :, a:b]
+                v_buf[seg.row, :, seg.start : seg.start + seg.num_tokens] = value[0, :, a:b]
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float) -> torch.Tensor:
+        """query [1, heads, T, dim] -> attention output [1, T, heads, value_dim].
+
+        Every model writes a layer's keys (the Cache update) just before that layer
+        attends, so `self.layer` names the buffers to read."""
+        layer = self.layer
+        _, heads, total, _ = query.shape
+        kv_heads = key.shape[1]
+        out = query.new_empty(1, total, heads, value.shape[-1])
+        for seg in self.segments:
+            a, b = seg.token_start, seg.token_start + seg.num_tokens
+            if isinstance(seg, DecodeSegment):
+                rows = seg.num_tokens
+                # Fold the query heads that share a kv head into the query axis: no kv
+                # head is repeated, and the row's mask broadcasts over them.
+                q = query[0, :, a:b].transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, -1)
+                k = seg.group.keys[layer][seg.row_start : seg.row_end, :, : seg.kv_len]
+                v = seg.group.values[layer][seg.row_start : seg.row_end, :, : seg.kv_len]
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=scaling)
+                out[0, a:b] = o.reshape(rows, heads, -1)
+                continue
+            q = query[:, :, a:b]
+            if seg.mask is None:
+                # A whole prompt: its own new keys, plain causal attention.
+                o = F.scaled_dot_product_attention(
+                    q, key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scaling,
+                    enable_gqa=kv_heads != heads)
+            else:
+                k = seg.group.keys[layer][seg.row : seg.row + 1, :, : seg.kv_len]
+                v = seg.group.values[layer][seg.row : seg.row + 1, :, : seg.kv_len]
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=scaling,
+                                                   enable_gqa=kv_heads != heads)
+            out[0, a:b] = o[0].transpose(0, 1)
+        return out
+
+
+class PackedCache(Cache):
+    """The Cache the model sees during a packed forward: `update` writes each segment's new
+    keys and values into its group's buffers; attention reads them through the batch."""
+
+    def __init__(self, batch: PackedBatch, num_layers: int):
+        # No Cache.__init__ and no per-layer objects: transformers' layer-type queries
+        # (is_sliding, ...) then see an empty list, and nothing is kept here.
+        self.layers = []
+        self.batch = batch
+        self.num_layers = num_layers
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        self.batch.write(layer_idx, key_states, value_states)
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def __len__(self) -> int:
+        return self.num_layers
