@@ -98,7 +98,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_sparsity", _finite_float, 0.33, "a number in [0, 1]", lambda v: 0 <= v <= 1,
            "padding fraction tolerated before the batch is split"),
     Option("max_splits", int, 3, "an integer >= 1", lambda v: v >= 1,
-           "most groups (forward calls) per decoding step"),
+           "most groups (attention calls per layer) per decoding step"),
     Option("decoding_strategy", _choice("greedy", "sample", "contrastive"), "greedy",
            "greedy, sample or contrastive", help="default decoding strategy"),
     Option("device", _choice("auto", "cpu", "cuda"), "auto", "auto, cpu or cuda",

@@ -29,7 +29,7 @@ class SchedulerMetrics:
                              registry=r)
         self.batch_size = Histogram("seqserve_batch_size", "Sequences run per step",
                                     buckets=_BATCH, registry=r)
-        self.splits = Histogram("seqserve_batch_splits", "Groups (forward calls) per step",
+        self.splits = Histogram("seqserve_batch_splits", "Groups (attention calls per layer) per step",
                                 buckets=_SPLITS, registry=r)
         self.sparsity = Histogram("seqserve_batch_sparsity",
                                   "Padding fraction of the step's partition",

@@ -64,7 +64,8 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Step(self, request, context):
-        """One decoding iteration: release, prefill, then one forward per group.
+        """One decoding iteration: release, regroup, then one forward over every token
+        (each group's decoding rows and the new prompts), attention per group.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
