@@ -75,6 +75,25 @@ class Engine:
         self.groups.clear()
         self.where.clear()
 
+    def warm_up(self, num_tokens: int, chunk: int = 256) -> float:
+        """Prefill `num_tokens` throwaway tokens in one forward, as the largest step the
+        scheduler may send (max_prefill_tokens), then drop them. As TGI's warm-up does, this
+        shows at start that such a step fits in memory, and it maps the activation memory
+        and loads the kernels of those shapes before the first request pays for them.
+        Returns the seconds it took."""
+        t0 = time.perf_counter()
+        chunk = max(1, min(chunk, self.runner.facts.max_position_embeddings - 1))
+        lengths = [chunk] * (num_tokens // chunk) + ([num_tokens % chunk] if num_tokens % chunk else [])
+        group = KVGroup(self.runner.kv_shape)
+        group.ensure_capacity(len(lengths), max(lengths) + 1)
+        batch = PackedBatch(self.device, self.runner.sliding_window)
+        for row, n in enumerate(lengths):
+            group.add_empty_row(-1 - row, n + 1)
+            batch.add_row(group, row, [0] * n, 0)
+        hidden = self.runner.forward(batch)
+        self.runner.logits(hidden[-len(lengths):])
+        return time.perf_counter() - t0
+
     def kv_usage(self) -> tuple[int, int]:
         """(padded slots a forward reads, real KV tokens) over all groups."""
         slots = sum(g.padded_slots() for g in self.groups)

@@ -43,13 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     # torch and the engine load here, after the configuration is checked (a bad option
     # fails fast).
     from worker_service.engine import Engine
+    from worker_service.host_memory import keep_freed_memory
     from worker_service.metrics import WorkerMetrics
     from worker_service.model_runner import ModelRunner
     from worker_service.prefix_cache import PrefixCache
-    from worker_service.servicer import WorkerServicer
+    from worker_service.servicer import WorkerServicer, compute_thread
 
     metrics = WorkerMetrics()
-    servicer = WorkerServicer(cfg.kv_cache_bytes, metrics)
+    keep_freed_memory()
+    compute = compute_thread()
+    servicer = WorkerServicer(cfg.kv_cache_bytes, metrics, compute)
     health_servicer = health.HealthServicer()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -84,15 +87,24 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        runner = ModelRunner(cfg.model_id, dtype=cfg.dtype, device=device,
-                             trust_remote_code=cfg.trust_remote_code)
+        runner = compute.submit(ModelRunner, cfg.model_id, dtype=cfg.dtype, device=device,
+                                trust_remote_code=cfg.trust_remote_code).result()
     except Exception:
         logger.exception("could not load model %s", cfg.model_id)
         server.stop(0)
         return 1
-    prefix_cache = PrefixCache(runner.kv_shape, cfg.prompt_cache_bytes,
-                               cfg.prompt_cache_block_tokens)
-    servicer.attach(Engine(runner, prefix_cache))
+    prefix_cache = compute.submit(PrefixCache, runner.kv_shape, cfg.prompt_cache_bytes,
+                                  cfg.prompt_cache_block_tokens).result()
+    engine = Engine(runner, prefix_cache)
+    try:
+        seconds = compute.submit(engine.warm_up, cfg.max_prefill_tokens).result()
+    except Exception:
+        logger.exception("warm-up: a %d-token prefill step failed on this device; lower "
+                         "option.max_prefill_tokens", cfg.max_prefill_tokens)
+        server.stop(0)
+        return 1
+    logger.info("warm-up: a %d-token prefill step took %.2f s", cfg.max_prefill_tokens, seconds)
+    servicer.attach(engine)
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     logger.info("worker ready: %s on %s, %d KV tokens", cfg.model_id, device,
