@@ -87,3 +87,33 @@ def test_step_rejects_inconsistent_plans(llama_dir):
         engine.step([], [], [])
     with pytest.raises(StepError, match="already exists"):
         engine.step([], [NewSequence(1, [5], 0, SamplingParams())], [[1]])
+
+
+def test_prepacked_linears_change_no_bit():
+    """bfloat16 on CPU runs the linear layers with oneDNN-prepacked weights; the outputs of
+    a step (prefills and decodes of several groups) equal those of plain F.linear exactly:
+    the same tokens with the same log-probabilities."""
+    from worker_service.fixtures import make_model
+    from worker_service.linear_prepack import PrepackedLinear
+
+    model_dir = make_model(tiny_model("llama").parent / "tiny-llama-bf16", arch="llama",
+                           size="tiny", dtype="bfloat16", seed=0)
+    packed = ModelRunner(str(model_dir), dtype="bfloat16", prepack=True)
+    plain = ModelRunner(str(model_dir), dtype="bfloat16", prepack=False)
+    assert any(isinstance(m, PrepackedLinear) for m in packed.model.modules())
+    assert not any(isinstance(m, PrepackedLinear) for m in plain.model.modules())
+    rng = random.Random(1)
+    prompts = [[rng.randint(3, 999) for _ in range(rng.randint(1, 90))] for _ in range(6)]
+    outs = []
+    for runner in (packed, plain):
+        engine = Engine(runner)
+        tokens = []
+        engine.step([], [NewSequence(i, p, 0, SamplingParams(logprobs=5)) for i, p in enumerate(prompts[:3])],
+                    [[0, 1], [2]])
+        for step in range(6):
+            new = [NewSequence(3 + step, prompts[3 + step], 0, SamplingParams(logprobs=5))] if step < 3 else []
+            live = sorted(engine.sequences) + [n.seq_id for n in new]
+            result = engine.step([], new, [live[::2], live[1::2]])
+            tokens.append(sorted((t.seq_id, t.token_id, t.logprob, t.top) for t in result.tokens))
+        outs.append(tokens)
+    assert outs[0] == outs[1]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Cache, GenerationConfig
 
-from worker_service import attention
+from worker_service import attention, linear_prepack
 from worker_service.kv_groups import KVShape
 from worker_service.packed_batch import PackedBatch, PackedCache
 
@@ -74,7 +74,7 @@ class ModelRunner:
     """One model on one device, run through the seqserve attention and group caches."""
 
     def __init__(self, model_id: str, dtype: str = "float32", device: str = "cpu",
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, prepack: bool = True):
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; use auto or one of "
                              f"{', '.join(DTYPES)}")
@@ -109,6 +109,10 @@ class ModelRunner:
             device=str(self.device),
             hidden_size=int(self.lm_head.weight.shape[1]),
         )
+        if prepack and linear_prepack.supported(self.model):
+            n = linear_prepack.prepack_linears(self.model)
+            self.lm_head = self.model.get_output_embeddings()
+            logger.info("prepacked the weights of %d linear layers for oneDNN", n)
         self.kv_shape = self._probe_kv_shape()
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         logger.info("loaded %s (%s) on %s in %s; KV %d bytes per token", model_id,
