@@ -180,11 +180,15 @@ class Engine:
         groups = [target.get(i) or KVGroup(self.runner.kv_shape) for i in range(len(plan))]
         moves = []
         for members, group in zip(olds, groups):
-            for sid in members:
+            incoming = [sid for sid in members if self.where[sid] is not group]
+            if incoming:
+                # Room for every incoming row at once, not one reallocation per row.
+                group.ensure_capacity(group.rows + len(incoming), 1 + max(
+                    self.where[sid].lengths[self.where[sid].row_of(sid)] for sid in incoming))
+            for sid in incoming:
                 src = self.where[sid]
-                if src is not group:
-                    group.add_row_from(src, src.row_of(sid))
-                    moves.append((src, sid, group))
+                group.add_row_from(src, src.row_of(sid))
+                moves.append((src, sid, group))
         for src, sid, group in moves:
             src.remove_row(src.row_of(sid))
             self.where[sid] = group
@@ -195,17 +199,24 @@ class Engine:
                 dropped += g.copied_bytes  # its copies this step still count
         old_counts = [g.rows for g in groups]
         for members, group in zip(plan, groups):
-            # Contrastive sequences last, so their candidate pass covers contiguous rows.
-            fresh = sorted((sid for sid in members if sid in new_ids),
-                           key=lambda sid: self.sequences[sid].contrastive)
+            fresh = [sid for sid in members if sid in new_ids]
+            if fresh:
+                # Room for all of them at once: growing row by row would reallocate and
+                # copy the buffers several times.
+                group.ensure_capacity(group.rows + len(fresh),
+                                      max(self._reserve_length(sid) for sid in fresh))
             for sid in fresh:
-                seq = self.sequences[sid]
-                group.add_empty_row(sid, len(seq.token_ids) + max(seq.params.top_k, 1) + 1)
+                group.add_empty_row(sid, self._reserve_length(sid))
                 self.where[sid] = group
             if moves:
                 group.trim()
         self.groups = groups
         return groups, old_counts, dropped
+
+    def _reserve_length(self, seq_id: int) -> int:
+        """Slots a new row needs this step: its tokens and contrastive candidates."""
+        seq = self.sequences[seq_id]
+        return len(seq.token_ids) + max(seq.params.top_k, 1) + 1
 
     # --- forwards --------------------------------------------------------------------
 
