@@ -75,12 +75,13 @@ class Engine:
         self.groups.clear()
         self.where.clear()
 
-    def warm_up(self, num_tokens: int, chunk: int = 256) -> float:
+    def warm_up(self, num_tokens: int, chunk: int = 256, premap_bytes: int = 0) -> float:
         """Prefill `num_tokens` throwaway tokens in one forward, as the largest step the
         scheduler may send (max_prefill_tokens), then drop them. As TGI's warm-up does, this
         shows at start that such a step fits in memory, and it maps the activation memory
         and loads the kernels of those shapes before the first request pays for them.
-        Returns the seconds it took."""
+        On CPU it also maps `premap_bytes` of host memory for KV buffers. Returns the
+        seconds it took."""
         t0 = time.perf_counter()
         chunk = max(1, min(chunk, self.runner.facts.max_position_embeddings - 1))
         lengths = [chunk] * (num_tokens // chunk) + ([num_tokens % chunk] if num_tokens % chunk else [])
@@ -92,6 +93,13 @@ class Engine:
             batch.add_row(group, row, [0] * n, 0)
         hidden = self.runner.forward(batch)
         self.runner.logits(hidden[-len(lengths):])
+        if self.device.type == "cpu" and premap_bytes > 0:
+            # Map memory for KV buffers now: freed host memory stays mapped (host_memory.py),
+            # so the groups of the first requests reuse these pages instead of faulting in
+            # fresh ones (vLLM allocates its whole KV cache at start for the same reason).
+            chunk = 16 << 20
+            held = [torch.zeros(chunk, dtype=torch.uint8) for _ in range(premap_bytes // chunk)]
+            del held
         return time.perf_counter() - t0
 
     def kv_usage(self) -> tuple[int, int]:
