@@ -6,11 +6,11 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, Cache, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from worker_service import attention, linear_prepack
 from worker_service.kv_groups import KVShape
-from worker_service.packed_batch import PackedBatch, PackedCache
+from worker_service.packed_batch import PackedBatch, PackedCache, StatelessCache
 
 logger = logging.getLogger(__name__)
 
@@ -29,24 +29,17 @@ class ModelFacts:
     hidden_size: int
 
 
-class _ShapeProbe(Cache):
+class _ShapeProbe(StatelessCache):
     """Records the per-layer key/value shapes of one token; keeps nothing."""
 
     def __init__(self):
-        self.layers = []
+        super().__init__()
         self.shapes: dict[int, tuple] = {}
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
         self.shapes[layer_idx] = (key_states.shape[1], key_states.shape[3],
                                   value_states.shape[1], value_states.shape[3])
         return key_states, value_states
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
 
 
 def _eos_ids(model_id: str, config, trust_remote_code: bool) -> tuple[int, ...]:

@@ -162,20 +162,14 @@ class PackedBatch:
         return out
 
 
-class PackedCache(Cache):
-    """The Cache the model sees during a packed forward: `update` writes each segment's new
-    keys and values into its group's buffers; attention reads them through the batch."""
+class StatelessCache(Cache):
+    """A transformers Cache that holds nothing itself: subclasses route `update` elsewhere.
 
-    def __init__(self, batch: PackedBatch, num_layers: int):
-        # No Cache.__init__ and no per-layer objects: transformers' layer-type queries
-        # (is_sliding, ...) then see an empty list, and nothing is kept here.
+    No Cache.__init__ and no per-layer objects: transformers' layer-type queries
+    (is_sliding, ...) then see an empty list."""
+
+    def __init__(self):
         self.layers = []
-        self.batch = batch
-        self.num_layers = num_layers
-
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        self.batch.write(layer_idx, key_states, value_states)
-        return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
@@ -183,6 +177,20 @@ class PackedCache(Cache):
     @property
     def is_compileable(self) -> bool:
         return False
+
+
+class PackedCache(StatelessCache):
+    """The Cache the model sees during a packed forward: `update` writes each segment's new
+    keys and values into its group's buffers; attention reads them through the batch."""
+
+    def __init__(self, batch: PackedBatch, num_layers: int):
+        super().__init__()
+        self.batch = batch
+        self.num_layers = num_layers
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        self.batch.write(layer_idx, key_states, value_states)
+        return key_states, value_states
 
     def __len__(self) -> int:
         return self.num_layers
