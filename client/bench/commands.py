@@ -300,6 +300,17 @@ def cmd_partition(args) -> dict:
 CACHE_OFF = ("--prompt-cache-bytes", "0")
 
 
+def _cache_on_and_off(args, model_dir: Path, tokenizer, part: str, on_name: str):
+    """Yield (name, started deployment) with the prefix cache on, then off; each deployment
+    stops when the caller asks for the next one."""
+    for name, flags in ((on_name, ()), ("cache_off", CACHE_OFF)):
+        with SeqserveTarget(model_dir, tokenizer, logdir=Path(args.out) / "logs" / f"{part}-{name}",
+                            dtype=model_dtype(model_dir), device=args.device, worker_flags=flags,
+                            max_rolling_batch_size=args.max_rolling_batch_size,
+                            server_flags=server_flags(args)) as target:
+            yield name, target
+
+
 def cached_prompt_requests(tokenizer, cached_tokens: int, input_tokens: int, n: int,
                            output_len: int, seed: int) -> list[BenchRequest]:
     """n + 1 requests (the first is the warm-up) sharing one `cached_prompt` of `cached_tokens`
@@ -320,15 +331,10 @@ def cached_prompt_requests(tokenizer, cached_tokens: int, input_tokens: int, n: 
 def _cached_prompt_part(args, model_dir: Path, tokenizer) -> dict:
     reqs = cached_prompt_requests(tokenizer, args.cached_tokens, args.input_tokens,
                                   args.prefix_requests, args.prefix_output, args.seed)
-    dtype = model_dtype(model_dir)
     runs = {}
-    for name, flags in (("cache_warm", ()), ("cache_off", CACHE_OFF)):
-        with SeqserveTarget(model_dir, tokenizer, logdir=Path(args.out) / "logs" / f"prefix-{name}",
-                            dtype=dtype, device=args.device, worker_flags=flags,
-                            max_rolling_batch_size=args.max_rolling_batch_size,
-                            server_flags=server_flags(args)) as target:
-            target.run(reqs[:1], sequential=True)  # fills the cache (when it is on)
-            s = target.run(reqs[1:], sequential=True)
+    for name, target in _cache_on_and_off(args, model_dir, tokenizer, "prefix", "cache_warm"):
+        target.run(reqs[:1], sequential=True)  # fills the cache (when it is on)
+        s = target.run(reqs[1:], sequential=True)
         ttfts = [r["ttft_s"] for r in s["per_request"]]
         runs[name] = {"ttft_mean_ms": 1000 * sum(ttfts) / len(ttfts),
                       "ttft_median_ms": 1000 * percentile(ttfts, 50),
@@ -386,14 +392,9 @@ def _mooncake_part(args, tokenizer) -> dict:
                                 max_concurrency=args.mooncake_max_concurrency)
     meta = workload_meta(args, model_dir, "mooncake", path, items, requests, scale, arrival)
     meta["selection"] = args.mooncake_select
-    dtype = model_dtype(model_dir)
     runs = {}
-    for name, flags in (("cache_on", ()), ("cache_off", CACHE_OFF)):
-        with SeqserveTarget(model_dir, tok, logdir=Path(args.out) / "logs" / f"mooncake-{name}",
-                            dtype=dtype, device=args.device, worker_flags=flags,
-                            max_rolling_batch_size=args.max_rolling_batch_size,
-                            server_flags=server_flags(args)) as target:
-            s = target.run(requests, offsets, args.mooncake_max_concurrency)
+    for name, target in _cache_on_and_off(args, model_dir, tok, "mooncake", "cache_on"):
+        s = target.run(requests, offsets, args.mooncake_max_concurrency)
         sent = s["input_tokens"]
         s["prefix_hit_rate_worker"] = s["worker"]["prefix_cache_hit_tokens"] / sent
         s["prefix_hit_rate_scheduler"] = s["server"]["prefix_cache_hit_tokens"] / sent
