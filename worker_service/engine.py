@@ -231,8 +231,8 @@ class Engine:
     def _run(self, groups: list[KVGroup], old_counts: list[int], result: StepResult) -> None:
         """One packed forward over every row: rows [0, n_old) of each group decode (one
         token, or contrastive candidates), the rest prefill their prompts."""
-        self._reserve(groups, old_counts)
         t = time.perf_counter()
+        self._reserve(groups, old_counts)
         starts = {}
         for group, n_old in zip(groups, old_counts):
             for r in range(n_old, group.rows):
