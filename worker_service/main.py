@@ -51,11 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     from worker_service.metrics import WorkerMetrics
     from worker_service.model_runner import ModelRunner
     from worker_service.prefix_cache import PrefixCache
-    from worker_service.servicer import WorkerServicer, compute_thread
+    from worker_service.compute import MainThreadExecutor
+    from worker_service.servicer import WorkerServicer
 
     metrics = WorkerMetrics()
     keep_freed_memory()
-    compute = compute_thread()
+    # Every torch call runs on this, the main, thread (compute.py says why).
+    compute = MainThreadExecutor()
     servicer = WorkerServicer(cfg.kv_cache_bytes, metrics, compute)
     health_servicer = health.HealthServicer()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[
@@ -87,22 +89,32 @@ def main(argv: list[str] | None = None) -> int:
         logger.warning("worker listening on %s without mutual TLS: anyone who reaches the port "
                        "can drive the model (see docs/security.md)", cfg.host)
 
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    def drain() -> None:
+        # Steps already in flight finish during the grace period: the compute loop runs
+        # until the server has stopped.
+        logger.info("worker shutting down")
+        health_servicer.enter_graceful_shutdown()
+        server.stop(grace=5).wait()
+        compute.shutdown()
+
+    def on_signal(*_) -> None:
+        threading.Thread(target=drain, name="shutdown", daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
-        runner = compute.submit(ModelRunner, cfg.model_id, dtype=cfg.dtype, device=device,
-                                trust_remote_code=cfg.trust_remote_code).result()
+        runner = ModelRunner(cfg.model_id, dtype=cfg.dtype, device=device,
+                             trust_remote_code=cfg.trust_remote_code)
     except Exception:
         logger.exception("could not load model %s", cfg.model_id)
         server.stop(0)
         return 1
-    prefix_cache = compute.submit(PrefixCache, runner.kv_shape, cfg.prompt_cache_bytes,
-                                  cfg.prompt_cache_block_tokens).result()
+    prefix_cache = PrefixCache(runner.kv_shape, cfg.prompt_cache_bytes,
+                               cfg.prompt_cache_block_tokens)
     engine = Engine(runner, prefix_cache)
     try:
-        seconds = compute.submit(engine.warm_up, cfg.max_prefill_tokens,
-                                 premap_bytes=min(cfg.kv_cache_bytes, PREMAP_BYTES)).result()
+        seconds = engine.warm_up(cfg.max_prefill_tokens,
+                                 premap_bytes=min(cfg.kv_cache_bytes, PREMAP_BYTES))
     except Exception:
         logger.exception("warm-up: a %d-token prefill step failed on this device; lower "
                          "option.max_prefill_tokens", cfg.max_prefill_tokens)
@@ -114,10 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     logger.info("worker ready: %s on %s, %d KV tokens", cfg.model_id, device,
                 servicer.kv_capacity_tokens)
-    stop.wait()
-    logger.info("worker shutting down")
-    health_servicer.enter_graceful_shutdown()
-    server.stop(grace=5).wait()
+    compute.serve()  # every Step, until SIGTERM or SIGINT has drained the server
     return 0
 
 

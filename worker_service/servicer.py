@@ -5,11 +5,12 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 
 import grpc
 
 from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
+from worker_service.compute import compute_thread
 from worker_service.engine import Engine, NewSequence, StepError
 from worker_service.metrics import WorkerMetrics
 from worker_service.sequence import SamplingParams, Strategy
@@ -25,23 +26,11 @@ def params_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:
         penalty_alpha=p.penalty_alpha, logprobs=p.logprobs)
 
 
-def compute_thread() -> ThreadPoolExecutor:
-    """A single thread for all of the worker's torch work: model load and every Step.
-
-    OpenMP gives each thread that enters a parallel region its own team of compute
-    threads. gRPC runs each call on any of its pool's threads, so Steps there would leave
-    several teams behind; once libgomp manages more threads than there are cores it stops
-    spinning between parallel regions and sleeps instead, which on a 2-core machine made
-    every forward about a fifth slower. One thread, one team.
-    """
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
-
-
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Serializes Steps: the engine runs one iteration at a time."""
 
     def __init__(self, kv_cache_bytes: int, metrics: WorkerMetrics | None = None,
-                 compute: ThreadPoolExecutor | None = None):
+                 compute: Executor | None = None):
         # The server answers (liveness) while the model loads; until `attach` the model
         # RPCs say UNAVAILABLE and health says NOT_SERVING.
         self.engine: Engine | None = None
@@ -50,7 +39,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.kv_capacity_tokens = 0
         self.metrics = metrics
         self._lock = threading.Lock()
-        # The one thread that runs every torch operation (see compute_thread()).
+        # The one thread that runs every torch operation (see compute.py).
         self._compute = compute or compute_thread()
 
     def attach(self, engine: Engine) -> None:
