@@ -117,3 +117,29 @@ def test_prepacked_linears_change_no_bit():
             tokens.append(sorted((t.seq_id, t.token_id, t.logprob, t.top) for t in result.tokens))
         outs.append(tokens)
     assert outs[0] == outs[1]
+
+
+def test_grown_buffers_keep_the_kv_and_zero_every_other_slot():
+    """Growing or trimming a group's buffers keeps each row's KV and leaves every other slot
+    zero, even when the allocator hands back memory that held NaNs (a masked padding slot
+    still meets a zero weight, and 0 * NaN would poison the row)."""
+    from worker_service.kv_groups import KVGroup, KVShape
+
+    shape = KVShape((2, 2), (4, 4), (2, 2), (4, 4), torch.float32, torch.device("cpu"))
+    group = KVGroup(shape)
+    group.ensure_capacity(3, 8)
+    for sid, length in ((1, 5), (2, 3), (3, 7)):
+        row = group.add_empty_row(sid, length)
+        for t in (group.keys + group.values):
+            t[row, :, :length] = float(sid)
+        group.lengths[row] = length
+    for size in (8, 16, 32, 64):  # memory full of NaN, freed for the allocator to reuse
+        torch.full((size, 2, 64, 4), float("nan"))
+    for rows, length in ((3, 40), (6, 40), (6, 100)):
+        group.ensure_capacity(rows, length)
+        for t in group.keys + group.values:
+            assert not t.isnan().any()
+            for row, (sid, length_held) in enumerate(zip(group.seq_ids, group.lengths)):
+                assert (t[row, :, :length_held] == sid).all()
+                assert (t[row, :, length_held:] == 0).all()
+            assert (t[group.rows:] == 0).all()
