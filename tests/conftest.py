@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from client.processes import Proc, health_status, spawn  # noqa: F401 - health_status: for tests
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = Path(os.environ.get("SEQSERVE_TEST_MODELS", REPO / "models" / "test"))
@@ -28,62 +25,6 @@ def tiny_model(arch: str = "llama") -> Path:
 @pytest.fixture(scope="session")
 def llama_dir() -> Path:
     return tiny_model("llama")
-
-
-def _wait_port_file(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            return json.loads(path.read_text())
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        time.sleep(0.1)
-    raise TimeoutError(f"no port file after {timeout} s:\n{log.read_text()[-4000:]}")
-
-
-def health_status(address: str, timeout: float = 2.0) -> str:
-    """The overall status from grpc.health.v1 ("SERVING", "NOT_SERVING", ...)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(address) as ch:
-        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
-                                                    timeout=timeout)
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-
-
-def wait_serving(address: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
-    import grpc
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if health_status(address) == "SERVING":
-                return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{address} not SERVING after {timeout} s:\n{log.read_text()[-4000:]}")
-
-
-@dataclass
-class Proc:
-    name: str
-    proc: subprocess.Popen
-    ports: dict
-    log: Path
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
 
 
 @dataclass
@@ -111,19 +52,7 @@ class Deployment:
         return f"http://127.0.0.1:{self.scheduler.ports['metrics']}/metrics"
 
     def _spawn(self, name: str, module: str, args: list[str], wait_ready: bool = True) -> Proc:
-        port_file = self.workdir / f"{name}.ports.json"
-        port_file.unlink(missing_ok=True)
-        log = self.workdir / f"{name}.log"
-        cmd = [sys.executable, "-m", module, "--port-file", str(port_file), *args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-               **self.env}
-        proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
-                                cwd=REPO)
-        ports = _wait_port_file(port_file, proc, log)
-        p = Proc(name, proc, ports, log)
-        if wait_ready:
-            wait_serving(f"127.0.0.1:{ports['grpc']}", proc, log)
-        return p
+        return spawn(name, module, args, self.workdir, env=self.env, wait_ready=wait_ready)
 
     @staticmethod
     def _flags(options: dict) -> list[str]:

@@ -3,34 +3,19 @@ ports) and what its /metrics pages say about a run."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
-from client.bench.workload import REPO
+from client.processes import Proc, spawn
 
 logger = logging.getLogger("seqserve.bench")
-
-
-def _wait_port_file(path: Path, proc: subprocess.Popen, log: Path, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            return json.loads(path.read_text())
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[2]} exited with {proc.returncode}; log {log}:\n"
-                               f"{log.read_text()[-3000:]}")
-        time.sleep(0.1)
-    raise TimeoutError(f"{proc.args[2]} wrote no port file in {timeout:.0f} s; log {log}")
 
 
 class Deployment:
@@ -47,7 +32,7 @@ class Deployment:
         self.worker_flags = list(worker_flags)  # any serving option, e.g. --prompt-cache-bytes 0
         self.server_flags = list(server_flags)  # given to both processes
         self.dtype, self.device, self.start_timeout = dtype, device, start_timeout
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.procs: list[Proc] = []
         self.worker_ports: dict = {}
         self.scheduler_ports: dict = {}
 
@@ -63,31 +48,27 @@ class Deployment:
     def worker_metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.worker_ports['metrics']}/metrics"
 
-    def _spawn(self, name: str, module: str, args: list[str]) -> dict:
-        port_file = self.logdir / f"{name}.ports.json"
-        port_file.unlink(missing_ok=True)
-        log = self.logdir / f"{name}.log"
-        cmd = [sys.executable, "-m", module, *args, "--port-file", str(port_file)]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-        with log.open("w") as f:
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        self.procs.append((name, proc))
-        return _wait_port_file(port_file, proc, log, self.start_timeout)
-
     def start(self) -> Deployment:
         self.logdir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         try:
-            self.worker_ports = self._spawn("worker", "worker_service.main", [
+            # The scheduler starts while the worker loads; it reports SERVING once the
+            # worker is ready.
+            worker = spawn("worker", "worker_service.main", [
                 "--model-id", str(self.model_dir), "--host", "127.0.0.1", "--worker-port", "0",
                 "--worker-metrics-port", "0", "--dtype", self.dtype, "--device", self.device,
-                *self.server_flags, *self.worker_flags])
-            self.scheduler_ports = self._spawn("scheduler", "scheduler_service.main", [
+                *self.server_flags, *self.worker_flags], self.logdir, wait_ready=False,
+                timeout=self.start_timeout)
+            self.procs.append(worker)
+            self.worker_ports = worker.ports
+            scheduler = spawn("scheduler", "scheduler_service.main", [
                 "--model-id", str(self.model_dir), "--host", "127.0.0.1", "--port", "0",
                 "--metrics-port", "0", "--http-port", "-1",
-                "--worker-addresses", f"127.0.0.1:{self.worker_ports['grpc']}",
-                *self.scheduler_flags, *self.server_flags])
-            self._wait_serving(time.monotonic() + self.start_timeout)
+                "--worker-addresses", worker.address,
+                *self.scheduler_flags, *self.server_flags], self.logdir,
+                timeout=self.start_timeout)
+            self.procs.append(scheduler)
+            self.scheduler_ports = scheduler.ports
         except BaseException:
             self.stop()
             raise
@@ -95,39 +76,11 @@ class Deployment:
                     self.address, " ".join(self.scheduler_flags + self.server_flags + self.worker_flags), self.logdir)
         return self
 
-    def _wait_serving(self, deadline: float) -> None:
-        """Wait for the scheduler's health service to say SERVING (a worker is connected)."""
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        with grpc.insecure_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                with contextlib.suppress(grpc.RpcError):
-                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                for name, proc in self.procs:
-                    if proc.poll() is not None:
-                        log = self.logdir / f"{name}.log"
-                        raise RuntimeError(f"{name} exited with {proc.returncode}; log {log}:\n"
-                                           f"{log.read_text()[-3000:]}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"scheduler not SERVING after {self.start_timeout:.0f} s;"
-                                       f" logs in {self.logdir}")
-                time.sleep(0.2)
-
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM the scheduler, then the worker; SIGKILL whatever outlives `timeout`."""
-        for name, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    logger.warning("%s did not stop in %.0f s; killing it", name, timeout)
-                    proc.kill()
-                    proc.wait()
+        for proc in reversed(self.procs):
+            if proc.stop(timeout=timeout) == -signal.SIGKILL:
+                logger.warning("%s did not stop in %.0f s; killed it", proc.name, timeout)
         self.procs.clear()
 
     def __enter__(self) -> Deployment:
@@ -297,7 +250,7 @@ class Profiler:
             logger.warning("%s", self.error)
             return self
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        for name, proc in self.deployment.procs:
+        for name, proc in ((p.name, p.proc) for p in self.deployment.procs):
             out = self.out_dir / f"{name}.collapsed.txt"
             log = (self.out_dir / f"{name}.py-spy.log").open("w")
             p = subprocess.Popen([self.py_spy, "record", "--pid", str(proc.pid), "--rate",

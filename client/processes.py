@@ -1,0 +1,110 @@
+"""Start seqserve's processes on this machine: spawn one with a port file, wait until it
+serves, stop it. The benchmark harness (client/bench) and the test suite both deploy this
+way: each process binds ephemeral ports and writes them to a JSON file once listening."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LOG_TAIL = 4000  # characters of a process's log quoted when it fails to start
+
+
+def _failed(what: str, log: Path) -> str:
+    return f"{what}; log {log}:\n{log.read_text()[-LOG_TAIL:]}"
+
+
+def wait_port_file(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 120) -> dict:
+    """The ports a process wrote to `path`; raises if it exits or stays silent too long."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return json.loads(path.read_text())
+        if proc.poll() is not None:
+            raise RuntimeError(_failed(f"process exited with {proc.returncode}", log))
+        time.sleep(0.1)
+    raise TimeoutError(_failed(f"no port file after {timeout:.0f} s", log))
+
+
+def health_status(address: str, timeout: float = 2.0) -> str:
+    """The overall status from grpc.health.v1 ("SERVING", "NOT_SERVING", ...)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
+                                                    timeout=timeout)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def wait_serving(address: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    """Wait for the process at `address` to report SERVING (a worker has loaded its model;
+    a scheduler has a ready worker)."""
+    import grpc
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(_failed(f"process exited with {proc.returncode}", log))
+        try:
+            if health_status(address) == "SERVING":
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(_failed(f"{address} not SERVING after {timeout:.0f} s", log))
+
+
+@dataclass
+class Proc:
+    """A started process, the ports it wrote and its log."""
+
+    name: str
+    proc: subprocess.Popen
+    ports: dict
+    log: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.ports['grpc']}"
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+        """Signal the process (SIGTERM: drain and exit); SIGKILL it after `timeout` s."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def spawn(name: str, module: str, args: list[str], logdir: Path, *, env: dict | None = None,
+          wait_ready: bool = True, timeout: float = 120) -> Proc:
+    """`python -m module --port-file ... args` with output in logdir/name.log; returns once
+    it wrote its ports and, with `wait_ready`, its health service says SERVING."""
+    port_file = logdir / f"{name}.ports.json"
+    port_file.unlink(missing_ok=True)
+    log = logdir / f"{name}.log"
+    cmd = [sys.executable, "-m", module, "--port-file", str(port_file), *args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+                **(env or {})}
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env,
+                                cwd=REPO)
+    try:
+        p = Proc(name, proc, wait_port_file(port_file, proc, log, timeout), log)
+        if wait_ready:
+            wait_serving(p.address, proc, log, timeout)
+    except BaseException:
+        Proc(name, proc, {}, log).stop(signal.SIGKILL, timeout=5)
+        raise
+    return p
