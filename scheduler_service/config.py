@@ -89,6 +89,10 @@ OPTIONS: tuple[Option, ...] = (
            lambda v: v == 1, "tensor parallelism per worker (only 1)"),
     Option("dtype", _dtype, "auto", "fp32, bf16, fp16 (or float32, bfloat16, float16, auto)",
            help="weights dtype; auto: bf16 where supported, else fp32"),
+    Option("kv_cache_dtype", _dtype, "auto",
+           "fp32, bf16, fp16 (or float32, bfloat16, float16, auto)",
+           help="dtype of the worker's KV buffers; auto: the model's, but float32 for "
+                "half-precision models on CPU (faster attention there)"),
     Option("trust_remote_code", _bool, False, "true or false",
            help="run model code shipped with the model (off unless set)"),
     Option("max_rolling_batch_size", int, 64, "an integer >= 1", lambda v: v >= 1,
@@ -166,6 +170,7 @@ class ServingConfig:
     trust_remote_code: bool = False
     max_rolling_batch_size: int = 64
     rolling_batch: str = "scheduler"
+    kv_cache_dtype: str = "auto"
     max_sparsity: float = 0.33
     max_splits: int = 3
     decoding_strategy: str = "greedy"

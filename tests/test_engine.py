@@ -143,3 +143,45 @@ def test_grown_buffers_keep_the_kv_and_zero_every_other_slot():
                 assert (t[row, :, :length_held] == sid).all()
                 assert (t[row, :, length_held:] == 0).all()
             assert (t[group.rows:] == 0).all()
+
+
+def test_kv_dtype_auto_keeps_half_precision_kv_in_float32_on_cpu():
+    from worker_service.model_runner import resolve_kv_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_kv_dtype("auto", torch.bfloat16, cpu) == torch.float32
+    assert resolve_kv_dtype("auto", torch.float16, cpu) == torch.float32
+    assert resolve_kv_dtype("auto", torch.float32, cpu) == torch.float32
+    assert resolve_kv_dtype("auto", torch.bfloat16, cuda) == torch.bfloat16
+    assert resolve_kv_dtype("bfloat16", torch.bfloat16, cpu) == torch.bfloat16
+    with pytest.raises(ValueError, match="kv dtype 'int8'"):
+        resolve_kv_dtype("int8", torch.bfloat16, cpu)
+
+
+def test_float32_kv_of_a_bfloat16_model_gives_its_tokens():
+    """A bfloat16 model's keys and values are exact in float32, so the KV dtype changes only
+    the rounding inside attention: the same greedy tokens, log-probabilities within bf16
+    noise, over prefills and decodes of several groups."""
+    from worker_service.fixtures import make_model
+
+    model_dir = make_model(tiny_model("llama").parent / "tiny-llama-bf16", arch="llama",
+                           size="tiny", dtype="bfloat16", seed=0)
+    rng = random.Random(2)
+    prompts = [[rng.randint(3, 999) for _ in range(rng.randint(1, 90))] for _ in range(6)]
+    outs = []
+    for kv_dtype in ("float32", "bfloat16"):
+        runner = ModelRunner(str(model_dir), dtype="bfloat16", kv_dtype=kv_dtype)
+        assert runner.kv_shape.dtype == getattr(torch, kv_dtype)
+        engine = Engine(runner)
+        steps = []
+        engine.step([], [NewSequence(i, p, 0, SamplingParams(logprobs=0)) for i, p in
+                         enumerate(prompts[:3])], [[0, 1], [2]])
+        for step in range(8):
+            new = [NewSequence(3 + step, prompts[3 + step], 0, SamplingParams(logprobs=0))] if step < 3 else []
+            live = sorted(engine.sequences) + [n.seq_id for n in new]
+            result = engine.step([], new, [live[::2], live[1::2]])
+            steps.append(sorted((t.seq_id, t.token_id, t.logprob) for t in result.tokens))
+        outs.append(steps)
+    for a, b in zip(*outs):
+        assert [(s, t) for s, t, _ in a] == [(s, t) for s, t, _ in b]
+        assert max(abs(x[2] - y[2]) for x, y in zip(a, b)) < 0.05

@@ -39,7 +39,7 @@ class DecodeSegment:
     slots: torch.Tensor  # [rows] the slot each row's token is written to
     rows_index: torch.Tensor  # [rows] row numbers, for the scattered write
     kv_len: int
-    mask: torch.Tensor  # [rows, 1, 1, kv_len] bool
+    bias: torch.Tensor  # [rows, 1, 1, kv_len] 0 where a row sees the slot, -inf elsewhere
 
     @property
     def num_tokens(self) -> int:
@@ -83,10 +83,12 @@ class PackedBatch:
         lengths = group.lengths[row_start:row_end]
         slots = torch.tensor(lengths, dtype=torch.long, device=self.device)
         kv_len = max(lengths) + 1
+        mask = build_mask(slots, 1, kv_len, None, self.sliding_window)
+        bias = torch.zeros(mask.shape, dtype=group.shape.dtype, device=self.device)
+        bias.masked_fill_(~mask, float("-inf"))
         seg = DecodeSegment(
             group, row_start, row_end, self.num_tokens, slots,
-            torch.arange(row_start, row_end, device=self.device), kv_len,
-            build_mask(slots, 1, kv_len, None, self.sliding_window))
+            torch.arange(row_start, row_end, device=self.device), kv_len, bias)
         self.token_ids += token_ids
         self.positions += lengths
         self.segments.append(seg)
@@ -119,8 +121,8 @@ class PackedBatch:
             k_buf, v_buf = seg.group.keys[layer], seg.group.values[layer]
             if isinstance(seg, DecodeSegment):
                 # Advanced indices on dims 0 and 2 put them first: [rows, heads, dim].
-                k_buf[seg.rows_index, :, seg.slots] = key[0, :, a:b].transpose(0, 1)
-                v_buf[seg.rows_index, :, seg.slots] = value[0, :, a:b].transpose(0, 1)
+                k_buf[seg.rows_index, :, seg.slots] = key[0, :, a:b].transpose(0, 1).to(k_buf.dtype)
+                v_buf[seg.rows_index, :, seg.slots] = value[0, :, a:b].transpose(0, 1).to(v_buf.dtype)
             else:
                 k_buf[seg.row, :, seg.start : seg.start + seg.num_tokens] = key[0, :, a:b]
                 v_buf[seg.row, :, seg.start : seg.start + seg.num_tokens] = value[0, :, a:b]
@@ -143,8 +145,13 @@ class PackedBatch:
                 # head is repeated, and the row's mask broadcasts over them.
                 q = query[0, :, a:b].transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, -1)
                 k = seg.group.keys[layer][seg.row_start : seg.row_end, :, : seg.kv_len]
+                q = q.to(k.dtype)
                 v = seg.group.values[layer][seg.row_start : seg.row_end, :, : seg.kv_len]
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=scaling)
+                # Two batched products over the buffer views (no copy): with one query
+                # per row they beat SDPA's kernel, which tiles for many queries.
+                scores = torch.matmul(q, k.transpose(-1, -2))
+                scores.mul_(scaling).add_(seg.bias)
+                o = torch.matmul(torch.softmax(scores, -1), v)
                 out[0, a:b] = o.reshape(rows, heads, -1)
                 continue
             q = query[:, :, a:b]
@@ -156,7 +163,7 @@ class PackedBatch:
             else:
                 k = seg.group.keys[layer][seg.row : seg.row + 1, :, : seg.kv_len]
                 v = seg.group.values[layer][seg.row : seg.row + 1, :, : seg.kv_len]
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=scaling,
+                o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=seg.mask, scale=scaling,
                                                    enable_gqa=kv_heads != heads)
             out[0, a:b] = o[0].transpose(0, 1)
         return out
