@@ -123,6 +123,9 @@ OPTIONS: tuple[Option, ...] = (
            help="workers the scheduler drives"),
     Option("max_prefill_tokens", int, 4096, "an integer >= 1", lambda v: v >= 1,
            "prompt tokens admitted for prefill per step (one longer prompt still runs alone)"),
+    Option("steps_in_flight", int, 2, "an integer >= 1", lambda v: v >= 1,
+           "Steps sent to the worker before the oldest is answered (1: each waits for the "
+           "previous one's tokens)"),
     Option("max_queue", int, 1024, "an integer >= 0", lambda v: v >= 0,
            "waiting requests at most; past it requests get RESOURCE_EXHAUSTED"),
     Option("max_new_tokens_limit", int, 4096, "an integer >= 1", lambda v: v >= 1,
@@ -167,10 +170,10 @@ class ServingConfig:
     model_id: str = ""
     tensor_parallel_degree: int = 1
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     trust_remote_code: bool = False
     max_rolling_batch_size: int = 64
     rolling_batch: str = "scheduler"
-    kv_cache_dtype: str = "auto"
     max_sparsity: float = 0.33
     max_splits: int = 3
     decoding_strategy: str = "greedy"
@@ -183,6 +186,7 @@ class ServingConfig:
     worker_metrics_port: int = 8101
     worker_addresses: tuple[str, ...] = ("127.0.0.1:8100",)
     max_prefill_tokens: int = 4096
+    steps_in_flight: int = 2
     max_queue: int = 1024
     max_new_tokens_limit: int = 4096
     default_max_new_tokens: int = 64

@@ -11,8 +11,8 @@ import asyncio
 import logging
 import random
 import time
-
-import grpc
+from collections import deque
+from dataclasses import dataclass
 
 from scheduler_service.admission import AdmissionPolicy, Budget, FCFSAdmission
 from scheduler_service.batch_plan import BatchPlanner, StepPlan
@@ -20,13 +20,26 @@ from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.sequence import (FinishEvent, FinishReason, Sequence, Status,
                                         TokenEvent)
 from scheduler_service.waiting_queue import WaitingQueue
-from scheduler_service.worker_client import WorkerClient, WorkerUnavailable
+from scheduler_service.worker_client import (StepFailed, StepStream, WorkerClient,
+                                             WorkerUnavailable)
 from seqserve.worker.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
 # A sequence that was in this many failed Steps in a row, with no token in between, is
 # failed instead of re-admitted (see _recover).
 MAX_STEP_FAILURES = 3
+
+
+
+@dataclass
+class _InFlight:
+    """A Step sent to the worker and not yet answered."""
+
+    plan: StepPlan
+    step_id: int
+    sent: float  # perf_counter when it was handed to the stream
+    plan_seconds: float
+
 
 _STRATEGY = {"greedy": worker_pb2.SamplingParams.STRATEGY_GREEDY,
              "sample": worker_pb2.SamplingParams.STRATEGY_SAMPLE,
@@ -37,7 +50,7 @@ class IterationLoop:
     def __init__(self, worker: WorkerClient, *, max_rolling_batch_size: int, max_queue: int,
                  max_sparsity: float, max_splits: int, worker_timeout: float,
                  metrics: SchedulerMetrics, policy: AdmissionPolicy | None = None,
-                 max_prefill_tokens: int = 4096):
+                 max_prefill_tokens: int = 4096, steps_in_flight: int = 2):
         assert worker.info is not None, "connect the worker before starting the loop"
         self.worker = worker
         self.info = worker.info
@@ -59,6 +72,13 @@ class IterationLoop:
         self._stopped = False
         self._step_failures: dict[int, int] = {}  # seq_id -> failed Steps since its last token
         self._one_at_a_time = 0  # admissions left to make singly after a failed Step
+        # Steps sent ahead of their predecessors' answers (vLLM's async scheduling): with 2,
+        # the worker finds the next Step queued when it ends one, instead of idling for the
+        # answer's round trip and the scheduler's bookkeeping.
+        self.steps_in_flight = steps_in_flight
+        self._inflight: deque[_InFlight] = deque()
+        self._stream: StepStream | None = None
+        self._last_answer = 0.0
 
     # --- called by the RPC handlers ------------------------------------------------------
 
@@ -92,22 +112,44 @@ class IterationLoop:
     # --- the loop --------------------------------------------------------------------------
 
     async def run(self) -> None:
-        while not self._stopped:
-            if not self.running and not (self.admitting and len(self.waiting)):
-                if self.to_release:
-                    await self._step(self._plan([]))  # free the worker's KV now
-                    continue
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            admitted = self._admit() if self.admitting else []
-            if not self.running and not admitted:
+        try:
+            while not self._stopped:
+                try:
+                    sent = await self._send_next()
+                    if sent and len(self._inflight) < self.steps_in_flight:
+                        continue  # plan the next step while this one runs
+                    if self._inflight:
+                        await self._receive()
+                        continue
+                    if not sent and not self._has_work():
+                        self._wakeup.clear()
+                        await self._wakeup.wait()
+                except StepFailed as exc:
+                    await self._recover(exc)
+        finally:
+            self._close_stream()
+
+    def _has_work(self) -> bool:
+        return bool(self.running or self.to_release or (self.admitting and len(self.waiting)))
+
+    async def _send_next(self) -> bool:
+        """Plan and send the next Step if there is one to send now; returns whether one went."""
+        advancing = [s for s in self.running.values() if s.advancing]
+        if not advancing and not (self.admitting and len(self.waiting)):
+            if self.to_release and not self._inflight:
+                await self._send(self._plan([], []))  # free the worker's KV now
+                return True
+            return False
+        admitted = self._admit() if self.admitting else []
+        if not advancing and not admitted:
+            if not self.running:
                 # The head request cannot fit even an empty batch: it never will.
                 head = self.waiting.pop()
                 self._fail(head, f"request needs {head.reserved_tokens} KV tokens; the "
                                  f"worker holds {self.kv_budget}")
-                continue
-            await self._step(self._plan(admitted))
+            return False  # else wait for the steps in flight to end sequences
+        await self._send(self._plan(advancing, admitted))
+        return True
 
     def _admit(self) -> list[Sequence]:
         reserved = sum(s.reserved_tokens for s in self.running.values())
@@ -128,10 +170,16 @@ class IterationLoop:
         self.metrics.queue_size.set(len(self.waiting))
         return admitted
 
-    def _plan(self, admitted: list[Sequence]) -> StepPlan:
-        running = list(self.running.values())
+    def _plan(self, advancing: list[Sequence], admitted: list[Sequence]) -> StepPlan:
         release, self.to_release = self.to_release, []
-        plan = self.planner.plan(running, admitted, release)
+        # A sequence whose last token is in flight leaves the worker now: the worker keeps
+        # every sequence it holds in some group, and this one needs no more forwards. It
+        # stays running here until that token arrives.
+        for s in self.running.values():
+            if not s.advancing and not s.released:
+                s.released = True
+                release.append(s.seq_id)
+        plan = self.planner.plan(advancing, admitted, release)
         for s in admitted:
             self.running[s.seq_id] = s
         return plan
@@ -152,20 +200,41 @@ class IterationLoop:
             step_id=self.step_id, release=plan.release, prefill=prefill,
             groups=[worker_pb2.Group(sequence_ids=g) for g in plan.groups])
 
-    async def _step(self, plan: StepPlan) -> None:
+    async def _send(self, plan: StepPlan) -> None:
         t0 = time.perf_counter()
         request = self._request(plan)
+        for members in plan.groups:
+            for sid in members:
+                self.running[sid].pending += 1
+        if self._stream is None:
+            self._stream = self.worker.open_steps()
         t1 = time.perf_counter()
-        try:
-            response = await self.worker.step(request)
-        except grpc.aio.AioRpcError as exc:
-            await self._recover(exc)
-            return
+        self._inflight.append(_InFlight(plan, request.step_id, t1, t1 - t0))
+        await self._stream.send(request)
+
+    async def _receive(self) -> None:
+        """Wait for the oldest Step in flight and hand out its tokens."""
+        step = self._inflight[0]
+        response = await self._stream.receive()
         t2 = time.perf_counter()
+        if response.step_id != step.step_id:
+            raise StepFailed("INTERNAL", f"the worker answered step {response.step_id} where "
+                                         f"step {step.step_id} was due")
+        self._inflight.popleft()
         for tok in response.tokens:
             self._on_token(tok)
         t3 = time.perf_counter()
-        self._observe(plan, response, t1 - t0, t2 - t1, t3 - t2)
+        # The loop's wait for this answer, from when it could first have come (the step was
+        # sent, and the one before it answered); what the worker did not spend is the RPC.
+        waited = t2 - max(step.sent, self._last_answer)
+        self._last_answer = t3
+        self._observe(step.plan, response, step.plan_seconds, waited, t3 - t2)
+
+    def _close_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        self._inflight.clear()
 
     def _observe(self, plan: StepPlan, response, plan_s: float, rpc_s: float, post_s: float):
         m = self.metrics
@@ -193,7 +262,8 @@ class IterationLoop:
     def _on_token(self, tok: worker_pb2.SequenceToken) -> None:
         seq = self.running.get(tok.sequence_id)
         if seq is None:
-            return  # cancelled while the step ran
+            return  # ended (cancelled, EOS, stop string) while this step was in flight
+        seq.pending -= 1
         now = time.monotonic()
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -231,7 +301,7 @@ class IterationLoop:
                 tail += seq.stops.flush()
         was_running = self.running.pop(seq.seq_id, None) is not None
         self._step_failures.pop(seq.seq_id, None)
-        if was_running:
+        if was_running and not seq.released:
             self.to_release.append(seq.seq_id)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
@@ -248,13 +318,22 @@ class IterationLoop:
 
     # --- worker failure ---------------------------------------------------------------------
 
-    async def _recover(self, exc: grpc.aio.AioRpcError) -> None:
+    async def _recover(self, exc: StepFailed) -> None:
         """The worker failed a Step: wait for it, then re-admit every running sequence by
         prefilling its prompt plus the tokens already sent, so no token is lost."""
+        failed = self._inflight[0] if self._inflight else None
         logger.warning("step %d failed (%s: %s); re-admitting %d running sequences",
-                       self.step_id, exc.code().name, exc.details(), len(self.running))
+                       failed.step_id if failed else self.step_id, exc.code, exc.details,
+                       len(self.running))
+        # Only the failed Step's sequences are suspects: those first sent in a later Step
+        # never ran.
+        suspects = ({sid for members in failed.plan.groups for sid in members} if failed
+                    else set(self.running))
         self.metrics.worker_up.set(0)
+        self._close_stream()  # the Steps sent after the failed one are void
         readmit = list(self.running.values())
+        for s in readmit:
+            s.pending, s.released = 0, False
         self.running.clear()
         self.to_release.clear()
         self.planner.forget()
@@ -266,6 +345,8 @@ class IterationLoop:
         # Steps in a row with no token in between is failed instead of re-admitted.
         poisoned = []
         for s in readmit:
+            if s.seq_id not in suspects:
+                continue
             n = self._step_failures.get(s.seq_id, 0) + 1
             self._step_failures[s.seq_id] = n
             if n >= MAX_STEP_FAILURES:
@@ -274,7 +355,7 @@ class IterationLoop:
         readmit = [s for s in readmit if s.seq_id not in gone]
         for s in poisoned:
             self._fail(s, f"generation failed: the worker failed {MAX_STEP_FAILURES} steps in a "
-                          f"row with this request ({exc.code().name}: {exc.details()})")
+                          f"row with this request ({exc.code}: {exc.details})")
         for s in readmit:
             s.status = Status.WAITING
         self.waiting.push_front(readmit)

@@ -107,7 +107,8 @@ async def serve(cfg: ServingConfig, port_file: str | None,
     loop = IterationLoop(worker, max_rolling_batch_size=cfg.max_rolling_batch_size,
                          max_queue=cfg.max_queue, max_sparsity=cfg.max_sparsity,
                          max_splits=cfg.max_splits, worker_timeout=cfg.worker_timeout,
-                         metrics=metrics, max_prefill_tokens=cfg.max_prefill_tokens)
+                         metrics=metrics, max_prefill_tokens=cfg.max_prefill_tokens,
+                         steps_in_flight=cfg.steps_in_flight)
     limits = Limits(vocab_size=info.vocab_size,
                     max_position_embeddings=info.max_position_embeddings,
                     max_new_tokens_limit=cfg.max_new_tokens_limit,

@@ -18,6 +18,46 @@ class WorkerUnavailable(RuntimeError):
     """No worker answered within the configured time."""
 
 
+class StepFailed(RuntimeError):
+    """A Step (or the stream carrying it) failed; `code` is the gRPC status name."""
+
+    def __init__(self, code: str, details: str):
+        super().__init__(f"{code}: {details}")
+        self.code, self.details = code, details
+
+
+class StepStream:
+    """One `Steps` call: Steps go out in order and their answers come back in that order,
+    so several may be in flight. Every failure surfaces as StepFailed."""
+
+    def __init__(self, stub: worker_pb2_grpc.WorkerStub):
+        self._call = stub.Steps()
+
+    async def send(self, request: worker_pb2.StepRequest) -> None:
+        try:
+            await self._call.write(request)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            # A write that meets a call the worker already ended fails as INTERNAL; the
+            # call's own status says why it ended.
+            raise await self._ended() from None
+
+    async def receive(self) -> worker_pb2.StepResponse:
+        try:
+            response = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise StepFailed(exc.code().name, exc.details() or "") from None
+        if response is grpc.aio.EOF:
+            raise await self._ended()
+        return response
+
+    async def _ended(self) -> StepFailed:
+        code = await self._call.code()
+        return StepFailed(code.name, await self._call.details() or "the worker ended the stream")
+
+    def close(self) -> None:
+        self._call.cancel()
+
+
 class WorkerClient:
     def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None):
         """`credentials`: grpc.ssl_channel_credentials for mutual TLS (auth.TlsFiles
@@ -37,8 +77,8 @@ class WorkerClient:
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.info: worker_pb2.InfoResponse | None = None
 
-    async def step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
-        return await self.stub.Step(request)
+    def open_steps(self) -> StepStream:
+        return StepStream(self.stub)
 
     async def reset(self) -> None:
         await self.stub.Reset(worker_pb2.ResetRequest(), timeout=30)

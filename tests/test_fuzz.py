@@ -676,25 +676,46 @@ def test_recovery_isolates_a_request_the_worker_cannot_run():
     from scheduler_service.metrics import SchedulerMetrics
     from scheduler_service.params import DecodingConfig
     from scheduler_service.sequence import FinishEvent, FinishReason, Sequence
+    from scheduler_service.worker_client import StepFailed
     from seqserve.worker.v1 import worker_pb2
 
     tok = tokenizer(str(tiny_model("llama")))
     info = worker_pb2.InfoResponse(eos_token_ids=[0], kv_capacity_tokens=10000,
                                    vocab_size=VOCAB, max_position_embeddings=CONTEXT)
 
+    class FailingStream:
+        """The Steps stream of a worker that fails any Step holding the poisoned sequence;
+        like the real one, a failure ends the stream and voids the Steps sent after it."""
+
+        def __init__(self, worker):
+            self.worker, self.sent, self.broken = worker, [], False
+
+        async def send(self, request):
+            if self.broken:
+                raise StepFailed("CANCELLED", "the stream ended")
+            self.sent.append(request)
+
+        async def receive(self):
+            await asyncio.sleep(0)
+            request = self.sent.pop(0)
+            self.worker.steps += 1
+            live = {i for g in request.groups for i in g.sequence_ids}
+            if self.worker.poison in live:
+                self.worker.failed += 1
+                self.broken = True
+                raise StepFailed("UNKNOWN", "probability tensor has nan")
+            return worker_pb2.StepResponse(step_id=request.step_id, tokens=[
+                worker_pb2.SequenceToken(sequence_id=i, token_id=5) for i in sorted(live)])
+
+        def close(self):
+            self.broken = True
+
     class FailingWorker:
         def __init__(self, poison: int):
             self.info, self.poison, self.steps, self.failed = info, poison, 0, 0
 
-        async def step(self, request):
-            self.steps += 1
-            live = {i for g in request.groups for i in g.sequence_ids}
-            if self.poison in live:
-                self.failed += 1
-                raise grpc.aio.AioRpcError(grpc.StatusCode.UNKNOWN, grpc.aio.Metadata(),
-                                           grpc.aio.Metadata(), "probability tensor has nan")
-            return worker_pb2.StepResponse(step_id=request.step_id, tokens=[
-                worker_pb2.SequenceToken(sequence_id=i, token_id=5) for i in sorted(live)])
+        def open_steps(self):
+            return FailingStream(self)
 
         async def wait_ready(self, timeout):
             return self.info

@@ -53,6 +53,12 @@ class StepResult:
     regroup_bytes: int = 0
     kv_slots: int = 0
     kv_tokens: int = 0
+    # The engine's state after the step, taken on the compute thread: whoever reports it
+    # may run while the next step already changes the engine.
+    sequences: int = 0
+    kv_allocated_bytes: int = 0
+    prefix_cache_bytes: int = 0
+    prefix_stats: tuple[int, int, int, int] | None = None  # queries, hits, hit tokens, evictions
 
 
 class Engine:
@@ -148,6 +154,13 @@ class Engine:
         self._run(groups, old_counts, result)
         result.kv_slots, result.kv_tokens = self.kv_usage()
         result.regroup_bytes = self._copied() + dropped_bytes
+        result.sequences = len(self.sequences)
+        result.kv_allocated_bytes = self.allocated_bytes()
+        pc = self.prefix_cache
+        if pc is not None:
+            st = pc.stats
+            result.prefix_cache_bytes = pc.bytes_held
+            result.prefix_stats = (st.queries, st.hits, st.hit_tokens, st.evictions)
         result.total_seconds = time.perf_counter() - t0
         return result
 

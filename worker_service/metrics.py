@@ -44,23 +44,22 @@ class WorkerMetrics:
         self.kv_allocated = Gauge("seqserve_worker_kv_allocated_bytes",
                                   "Bytes allocated for group KV buffers", registry=r)
 
-    def observe_step(self, result, num_groups: int, engine) -> None:
+    def observe_step(self, result, num_groups: int) -> None:
+        """`result`: the engine's StepResult, which also carries its state after the step."""
         self.steps.inc()
         self.forward.observe(result.forward_seconds)
         self.sampling.observe(result.sampling_seconds)
         self.regroup.observe(result.regroup_seconds)
         self.regroup_bytes.inc(result.regroup_bytes)
         self.tokens.inc(len(result.tokens))
-        self.sequences.set(len(engine.sequences))
+        self.sequences.set(result.sequences)
         self.groups.set(num_groups)
         self.kv_slots.set(result.kv_slots)
         self.kv_tokens.set(result.kv_tokens)
-        self.kv_allocated.set(engine.allocated_bytes())
-        pc = engine.prefix_cache
-        if pc is not None:
-            st = pc.stats
+        self.kv_allocated.set(result.kv_allocated_bytes)
+        if result.prefix_stats is not None:
             last = self._last_stats or (0, 0, 0, 0)
-            now = (st.queries, st.hits, st.hit_tokens, st.evictions)
+            now = result.prefix_stats
             # Stats are cumulative in the cache (and reset with it); export the growth.
             deltas = [max(n - o, 0) if n >= o else n for n, o in zip(now, last)]
             self.prefix_queries.inc(deltas[0])
@@ -68,4 +67,4 @@ class WorkerMetrics:
             self.prefix_hit_tokens.inc(deltas[2])
             self.prefix_evictions.inc(deltas[3])
             self._last_stats = now
-            self.prefix_bytes.set(pc.bytes_held)
+            self.prefix_bytes.set(result.prefix_cache_bytes)

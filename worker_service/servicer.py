@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import uuid
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 
 import grpc
 
@@ -39,6 +40,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.kv_capacity_tokens = 0
         self.metrics = metrics
         self._lock = threading.Lock()
+        # Bumped by Reset: a Steps stream opened before it takes no more Steps, so a Step
+        # of the old stream that was still on its way cannot run after the Reset.
+        self._generation = 0
         # The one thread that runs every torch operation (see compute.py).
         self._compute = compute or compute_thread()
 
@@ -68,24 +72,62 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def Reset(self, request, context):
         engine = self._ready(context)
         with self._lock:
+            self._generation += 1
             self._compute.submit(engine.reset).result()
         logger.info("reset: all sequences dropped")
         return worker_pb2.ResetResponse(instance_id=self.instance_id)
 
     def Step(self, request, context):
+        engine = self._ready(context)
+        with self._lock:
+            future = self._submit(engine, request)
+            try:
+                result = future.result()
+            except StepError as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return self._response(request, result)
+
+    def Steps(self, request_iterator, context):
+        """Steps in the order they arrive, each queued for the compute thread as soon as it
+        is read, so the next one is waiting there when the current one ends."""
+        engine = self._ready(context)
+        queued: queue.SimpleQueue = queue.SimpleQueue()
+        with self._lock:
+            generation = self._generation
+
+        def read() -> None:
+            try:
+                for request in request_iterator:
+                    with self._lock:
+                        if self._generation != generation:
+                            queued.put(StepError("the worker was reset; open a new stream"))
+                            break
+                        queued.put((request, self._submit(engine, request)))
+            except Exception as exc:  # noqa: BLE001 - the stream broke; the reply loop ends
+                logger.debug("step stream closed while reading: %s", exc)
+            queued.put(None)
+
+        threading.Thread(target=read, name="steps-reader", daemon=True).start()
+        while (item := queued.get()) is not None:
+            if isinstance(item, StepError):
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(item))
+            request, future = item
+            try:
+                result = future.result()
+            except StepError as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            yield self._response(request, result)
+
+    def _submit(self, engine: Engine, request) -> Future:
         prefill = [NewSequence(ns.sequence_id, list(ns.token_ids), ns.num_generated,
                                params_from_proto(ns.params), ns.pin_tokens)
                    for ns in request.prefill]
         plan = [list(g.sequence_ids) for g in request.groups]
-        engine = self._ready(context)
-        with self._lock:
-            try:
-                result = self._compute.submit(
-                    engine.step, list(request.release), prefill, plan).result()
-            except StepError as exc:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return self._compute.submit(engine.step, list(request.release), prefill, plan)
+
+    def _response(self, request, result) -> worker_pb2.StepResponse:
         if self.metrics is not None:
-            self.metrics.observe_step(result, len(plan), engine)
+            self.metrics.observe_step(result, len(request.groups))
         tokens = []
         for t in result.tokens:
             msg = worker_pb2.SequenceToken(sequence_id=t.seq_id, token_id=t.token_id,
@@ -102,4 +144,4 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 regroup_seconds=result.regroup_seconds, total_seconds=result.total_seconds),
             regroup_bytes=result.regroup_bytes, kv_slots=result.kv_slots,
             kv_tokens=result.kv_tokens, instance_id=self.instance_id,
-            prefix_cache_bytes=engine.prefix_cache.bytes_held if engine.prefix_cache else 0)
+            prefix_cache_bytes=result.prefix_cache_bytes)

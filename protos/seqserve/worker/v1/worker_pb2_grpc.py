@@ -45,6 +45,11 @@ class WorkerStub:
                 request_serializer=seqserve_dot_worker_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
                 response_deserializer=seqserve_dot_worker_dot_v1_dot_worker__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.Steps = channel.stream_stream(
+                '/seqserve.worker.v1.Worker/Steps',
+                request_serializer=seqserve_dot_worker_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+                response_deserializer=seqserve_dot_worker_dot_v1_dot_worker__pb2.StepResponse.FromString,
+                _registered_method=True)
         self.Reset = channel.unary_unary(
                 '/seqserve.worker.v1.Worker/Reset',
                 request_serializer=seqserve_dot_worker_dot_v1_dot_worker__pb2.ResetRequest.SerializeToString,
@@ -71,6 +76,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Steps(self, request_iterator, context):
+        """The scheduler's pipeline of Steps on one stream: the worker runs them in the order
+        sent and answers each in that order, so the scheduler may send step n+1 before step
+        n's answer arrives and the worker never waits for a round trip between steps. A
+        failed Step ends the stream with its error; the Steps sent after it are dropped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Reset(self, request, context):
         """Drop every sequence and cached KV (used when a scheduler (re)connects).
         """
@@ -88,6 +103,11 @@ def add_WorkerServicer_to_server(servicer, server):
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=seqserve_dot_worker_dot_v1_dot_worker__pb2.StepRequest.FromString,
+                    response_serializer=seqserve_dot_worker_dot_v1_dot_worker__pb2.StepResponse.SerializeToString,
+            ),
+            'Steps': grpc.stream_stream_rpc_method_handler(
+                    servicer.Steps,
                     request_deserializer=seqserve_dot_worker_dot_v1_dot_worker__pb2.StepRequest.FromString,
                     response_serializer=seqserve_dot_worker_dot_v1_dot_worker__pb2.StepResponse.SerializeToString,
             ),
@@ -150,6 +170,33 @@ class Worker:
             request,
             target,
             '/seqserve.worker.v1.Worker/Step',
+            seqserve_dot_worker_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+            seqserve_dot_worker_dot_v1_dot_worker__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Steps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/seqserve.worker.v1.Worker/Steps',
             seqserve_dot_worker_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
             seqserve_dot_worker_dot_v1_dot_worker__pb2.StepResponse.FromString,
             options,

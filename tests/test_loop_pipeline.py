@@ -1,0 +1,123 @@
+"""The iteration loop with Steps in flight, against a worker stream that keeps the real
+worker's rules: a Step may release only live sequences, and every live sequence must be in
+exactly one group. No gRPC: the stream is the loop's only view of a worker."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from transformers import AutoTokenizer
+
+from scheduler_service.detokenizer import IncrementalDetokenizer, StopMatcher
+from scheduler_service.loop import IterationLoop
+from scheduler_service.metrics import SchedulerMetrics
+from scheduler_service.params import DecodingConfig
+from scheduler_service.sequence import FinishEvent, FinishReason, Sequence
+from scheduler_service.worker_client import StepFailed
+from seqserve.worker.v1 import worker_pb2
+from tests.conftest import tiny_model
+
+EOS = 0
+TOKEN = 5
+
+
+class RuleKeepingStream:
+    """Answers Steps in order; sequence `eos_seq` samples EOS as its `eos_at`-th token."""
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.queued: list[worker_pb2.StepRequest] = []
+
+    async def send(self, request):
+        self.queued.append(request)
+        self.worker.max_outstanding = max(self.worker.max_outstanding, len(self.queued))
+
+    async def receive(self):
+        await asyncio.sleep(0)  # let the loop's other tasks run, as a real round trip would
+        w = self.worker
+        request = self.queued.pop(0)
+        for sid in request.release:
+            if sid not in w.live:
+                raise StepFailed("FAILED_PRECONDITION", f"release of unknown sequence {sid}")
+            w.live.discard(sid)
+        w.live |= {ns.sequence_id for ns in request.prefill}
+        grouped = [sid for g in request.groups for sid in g.sequence_ids]
+        if sorted(grouped) != sorted(w.live):
+            raise StepFailed("FAILED_PRECONDITION", f"groups {grouped} != live {sorted(w.live)}")
+        tokens = []
+        for sid in grouped:
+            w.forwards[sid] = w.forwards.get(sid, 0) + 1
+            token = EOS if (sid == w.eos_seq and w.forwards[sid] == w.eos_at) else TOKEN
+            tokens.append(worker_pb2.SequenceToken(sequence_id=sid, token_id=token))
+        return worker_pb2.StepResponse(step_id=request.step_id, tokens=tokens)
+
+    def close(self):
+        pass
+
+
+class RuleKeepingWorker:
+    def __init__(self, eos_seq: int, eos_at: int):
+        self.info = worker_pb2.InfoResponse(eos_token_ids=[EOS], kv_capacity_tokens=100000,
+                                            vocab_size=1000, max_position_embeddings=2048)
+        self.live: set[int] = set()
+        self.forwards: dict[int, int] = {}
+        self.max_outstanding = 0
+        self.eos_seq, self.eos_at = eos_seq, eos_at
+
+    def open_steps(self):
+        return RuleKeepingStream(self)
+
+    async def wait_ready(self, timeout):
+        self.live.clear()  # the real client's wait_ready ends with Reset
+        return self.info
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_steps_in_flight_release_at_the_length_limit_and_drop_tokens_past_eos(in_flight):
+    """Length-bound sequences run exactly max_new_tokens forwards, even with the next Step
+    sent before the last one is answered; a sequence that samples EOS gets one wasted
+    forward per extra Step in flight, and its client sees nothing past EOS."""
+    tok = AutoTokenizer.from_pretrained(str(tiny_model("llama")))
+    limits = [1, 2, 3, 5, 8, 13, 4, 9]
+    worker = RuleKeepingWorker(eos_seq=4, eos_at=3)  # seq 4 (max 5) ends on EOS at token 3
+
+    async def scenario():
+        loop = IterationLoop(worker, max_rolling_batch_size=4, max_queue=16, max_sparsity=0.3,
+                             max_splits=2, worker_timeout=5, metrics=SchedulerMetrics(),
+                             max_prefill_tokens=8, steps_in_flight=in_flight)
+        seqs = []
+        for i, n in enumerate(limits):
+            ids = tok(f"request {i} " + "word " * i).input_ids
+            seqs.append(Sequence(seq_id=loop.new_seq_id(), request_id=str(i), prompt_ids=ids,
+                                 params=DecodingConfig(max_new_tokens=n, strategy="greedy"),
+                                 detokenizer=IncrementalDetokenizer(tok, ids),
+                                 stops=StopMatcher(())))
+        for s in seqs:
+            loop.submit(s)
+        task = asyncio.create_task(loop.run())
+
+        async def finish(s):
+            while True:
+                ev = await s.events.get()
+                if isinstance(ev, FinishEvent):
+                    return ev
+        ends = await asyncio.wait_for(asyncio.gather(*(finish(s) for s in seqs)), 30)
+        for _ in range(500):  # the last releases go out after the answers
+            if loop.idle() and not worker.live:
+                break
+            await asyncio.sleep(0.01)
+        loop.stop()
+        await task
+        return seqs, ends
+
+    seqs, ends = asyncio.run(scenario())
+    assert worker.max_outstanding == in_flight
+    assert not worker.live, "every sequence was released from the worker"
+    for s, ev, n in zip(seqs, ends, limits):
+        if s.seq_id == worker.eos_seq:
+            assert ev.reason == FinishReason.EOS and s.output_ids == [TOKEN, TOKEN, EOS]
+            assert worker.forwards[s.seq_id] == 3 + (in_flight - 1)
+        else:
+            assert ev.reason == FinishReason.LENGTH and s.output_ids == [TOKEN] * n
+            assert worker.forwards[s.seq_id] == n
