@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
@@ -145,23 +146,55 @@ def test_grown_buffers_keep_the_kv_and_zero_every_other_slot():
             assert (t[group.rows:] == 0).all()
 
 
-def test_kv_dtype_auto_keeps_half_precision_kv_in_float32_on_cpu():
+def test_kv_dtype_auto_on_cpu_is_bfloat16_with_the_native_loop_else_float32(monkeypatch):
+    from worker_service import decode_attention
     from worker_service.model_runner import resolve_kv_dtype
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_kv_dtype("auto", torch.bfloat16, cpu) == torch.float32
+    assert resolve_kv_dtype("auto", torch.bfloat16, cpu) == torch.bfloat16
     assert resolve_kv_dtype("auto", torch.float16, cpu) == torch.float32
     assert resolve_kv_dtype("auto", torch.float32, cpu) == torch.float32
     assert resolve_kv_dtype("auto", torch.bfloat16, cuda) == torch.bfloat16
-    assert resolve_kv_dtype("bfloat16", torch.bfloat16, cpu) == torch.bfloat16
+    assert resolve_kv_dtype("float32", torch.bfloat16, cpu) == torch.float32
     with pytest.raises(ValueError, match="kv dtype 'int8'"):
         resolve_kv_dtype("int8", torch.bfloat16, cpu)
+    monkeypatch.setattr(decode_attention, "_loaded", [None])  # as where no compiler exists
+    assert resolve_kv_dtype("auto", torch.bfloat16, cpu) == torch.float32
+
+
+@pytest.mark.parametrize("heads,kv_heads,window", [(4, 4, None), (4, 2, None), (6, 2, 5)])
+def test_native_decode_attention_matches_masked_sdpa(heads, kv_heads, window):
+    """The C loop against float32 SDPA with the row masks the worker builds: padded rows of
+    different lengths, a segment starting past row 0, grouped-query heads, a sliding
+    window."""
+    from worker_service import decode_attention
+    from worker_service.attention import build_mask
+
+    assert shutil.which("cc") or shutil.which("gcc"), "the test machine has a C compiler"
+    assert decode_attention.kernel() is not None
+    g = torch.Generator().manual_seed(heads + kv_heads)
+    rows, cap, dim, row_start = 5, 40, 16, 2
+    keys = torch.randn(rows + row_start + 1, kv_heads, cap, dim, generator=g).bfloat16()
+    values = torch.randn(keys.shape, generator=g).bfloat16()
+    slots = torch.tensor([0, 7, 19, 33, 12])  # the slot each row's new token was written to
+    query = torch.randn(rows, heads, dim, generator=g).bfloat16()
+    got = decode_attention.attend(query, keys, values, row_start, slots + 1,
+                                  int(slots.max()) + 1, 0.25, window)
+    kv_len = int(slots.max()) + 1
+    mask = build_mask(slots, 1, kv_len, None, window)  # [rows, 1, 1, kv_len]
+    k = keys[row_start:row_start + rows, :, :kv_len].float().repeat_interleave(heads // kv_heads, 1)
+    v = values[row_start:row_start + rows, :, :kv_len].float().repeat_interleave(heads // kv_heads, 1)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query.float()[:, :, None], k, v, attn_mask=mask, scale=0.25)[:, :, 0]
+    assert got.dtype == torch.bfloat16 and got.shape == query.shape
+    assert (got.float() - want).abs().max() < 0.02  # one bfloat16 rounding of values ~1
 
 
 def test_float32_kv_of_a_bfloat16_model_gives_its_tokens():
-    """A bfloat16 model's keys and values are exact in float32, so the KV dtype changes only
-    the rounding inside attention: the same greedy tokens, log-probabilities within bf16
-    noise, over prefills and decodes of several groups."""
+    """A bfloat16 model's keys and values are exact in float32, so the KV dtype (and with it
+    the attention path: batched products over float32, or the native loop over bfloat16)
+    changes only the rounding inside attention: the same greedy tokens, log-probabilities
+    within bf16 noise, over prefills and decodes of several groups."""
     from worker_service.fixtures import make_model
 
     model_dir = make_model(tiny_model("llama").parent / "tiny-llama-bf16", arch="llama",

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Cache
 
+from worker_service import decode_attention
 from worker_service.attention import build_mask
 from worker_service.kv_groups import KVGroup
 
@@ -39,7 +40,18 @@ class DecodeSegment:
     slots: torch.Tensor  # [rows] the slot each row's token is written to
     rows_index: torch.Tensor  # [rows] row numbers, for the scattered write
     kv_len: int
-    bias: torch.Tensor  # [rows, 1, 1, kv_len] 0 where a row sees the slot, -inf elsewhere
+    mask: torch.Tensor  # [rows, 1, 1, kv_len] bool
+    ends: torch.Tensor  # [rows] int64: each row attends to slots below this (slot + 1)
+    _bias: torch.Tensor | None = None
+
+    @property
+    def bias(self) -> torch.Tensor:
+        """The mask as an additive float tensor (0 or -inf), made on first use."""
+        if self._bias is None:
+            dtype = self.group.shape.dtype
+            self._bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            self._bias.masked_fill_(~self.mask, float("-inf"))
+        return self._bias
 
     @property
     def num_tokens(self) -> int:
@@ -83,12 +95,10 @@ class PackedBatch:
         lengths = group.lengths[row_start:row_end]
         slots = torch.tensor(lengths, dtype=torch.long, device=self.device)
         kv_len = max(lengths) + 1
-        mask = build_mask(slots, 1, kv_len, None, self.sliding_window)
-        bias = torch.zeros(mask.shape, dtype=group.shape.dtype, device=self.device)
-        bias.masked_fill_(~mask, float("-inf"))
         seg = DecodeSegment(
             group, row_start, row_end, self.num_tokens, slots,
-            torch.arange(row_start, row_end, device=self.device), kv_len, bias)
+            torch.arange(row_start, row_end, device=self.device), kv_len,
+            build_mask(slots, 1, kv_len, None, self.sliding_window), slots + 1)
         self.token_ids += token_ids
         self.positions += lengths
         self.segments.append(seg)
@@ -141,6 +151,13 @@ class PackedBatch:
             a, b = seg.token_start, seg.token_start + seg.num_tokens
             if isinstance(seg, DecodeSegment):
                 rows = seg.num_tokens
+                k_buf, v_buf = seg.group.keys[layer], seg.group.values[layer]
+                if decode_attention.supports(query, k_buf, v_buf):
+                    # On CPU with bfloat16 KV: a C loop over each row's own slots.
+                    out[0, a:b] = decode_attention.attend(
+                        query[0, :, a:b].transpose(0, 1), k_buf, v_buf, seg.row_start,
+                        seg.ends, seg.kv_len, scaling, self.sliding_window)
+                    continue
                 # Fold the query heads that share a kv head into the query axis: no kv
                 # head is repeated, and the row's mask broadcasts over them.
                 q = query[0, :, a:b].transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, -1)
