@@ -166,17 +166,17 @@ def test_kv_dtype_auto_on_cpu_is_bfloat16_with_the_native_loop_else_float32(monk
 def test_native_decode_attention_matches_masked_sdpa(heads, kv_heads, window):
     """The C loop against float32 SDPA with the row masks the worker builds: padded rows of
     different lengths, a segment starting past row 0, grouped-query heads, a sliding
-    window."""
+    window; 36-54 (row, head) pairs, enough for it to split them over threads."""
     from worker_service import decode_attention
     from worker_service.attention import build_mask
 
     assert shutil.which("cc") or shutil.which("gcc"), "the test machine has a C compiler"
     assert decode_attention.kernel() is not None
     g = torch.Generator().manual_seed(heads + kv_heads)
-    rows, cap, dim, row_start = 5, 40, 16, 2
+    rows, cap, dim, row_start = 9, 40, 16, 2
     keys = torch.randn(rows + row_start + 1, kv_heads, cap, dim, generator=g).bfloat16()
     values = torch.randn(keys.shape, generator=g).bfloat16()
-    slots = torch.tensor([0, 7, 19, 33, 12])  # the slot each row's new token was written to
+    slots = torch.tensor([0, 7, 19, 33, 12, 3, 38, 1, 25])  # each row's new token's slot
     query = torch.randn(rows, heads, dim, generator=g).bfloat16()
     got = decode_attention.attend(query, keys, values, row_start, slots + 1,
                                   int(slots.max()) + 1, 0.25, window)

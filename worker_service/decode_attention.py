@@ -9,6 +9,8 @@ in process: 5.7-6.2 s against 6.2-8.0 s with float32 KV.
 
 The C file is compiled when the worker starts (`cc -O3 -march=native`, about 0.2 s) into a
 temporary directory and loaded with ctypes: no torch headers, no build step at install.
+With OpenMP it splits the (row, head) pairs over torch's own threads: 1.1 ms against 2.4
+ms on one thread for the step above, and the in-process replay 5.0-5.8 s against 5.8-6.4.
 Where no C compiler is found, or the build fails, `kernel()` is None and the worker keeps
 half-precision KV in float32 instead (model_runner.resolve_kv_dtype).
 """
@@ -29,6 +31,10 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_attention.c")
 CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+# With OpenMP the loop runs on torch's own thread team, but only where torch's OpenMP is
+# GNU libgomp (Linux wheels): the library then binds to the libgomp.so.1 already loaded.
+# Another runtime beside torch's would bring a second team to fight over the cores.
+OPENMP = "-fopenmp"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _loaded: list = []  # [function or None] once tried
 
@@ -41,18 +47,30 @@ def _build() -> ctypes.CDLL | None:
     if cc is None:
         logger.info("no C compiler found: half-precision KV is kept in float32 on CPU")
         return None
+    attempts = [(*CFLAGS, OPENMP), CFLAGS] if _torch_uses_libgomp() else [CFLAGS]
+    detail = ""
     with tempfile.TemporaryDirectory(prefix="seqserve-") as tmp:
-        lib = Path(tmp) / "decode_attention.so"
-        try:
-            subprocess.run([cc, *CFLAGS, "-o", str(lib), str(SOURCE), "-lm"], check=True,
-                           capture_output=True, text=True, timeout=120)
-            # The mapping outlives the file: the directory may go once it is loaded.
-            return ctypes.CDLL(str(lib))
-        except (OSError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", "") or exc
-            logger.warning("could not build the native decode attention (%s); half-precision "
-                           "KV is kept in float32 on CPU", str(detail).strip()[:500])
-            return None
+        for i, flags in enumerate(attempts):
+            lib = Path(tmp) / f"decode_attention{i}.so"
+            try:
+                subprocess.run([cc, *flags, "-o", str(lib), str(SOURCE), "-lm"], check=True,
+                               capture_output=True, text=True, timeout=120)
+                # The mapping outlives the file: the directory may go once it is loaded.
+                loaded = ctypes.CDLL(str(lib))
+                logger.info("native decode attention built: %s %s", cc, " ".join(flags))
+                return loaded
+            except (OSError, subprocess.SubprocessError) as exc:
+                detail = str(getattr(exc, "stderr", "") or exc).strip()[:500]
+    logger.warning("could not build the native decode attention (%s); half-precision KV is "
+                   "kept in float32 on CPU", detail)
+    return None
+
+
+def _torch_uses_libgomp() -> bool:
+    try:
+        return "libgomp" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
 
 
 def kernel():
@@ -64,7 +82,6 @@ def kernel():
             fn = lib.decode_attention_bf16
             fn.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, _I]
             fn.restype = ctypes.c_int
-            logger.info("native decode attention built with %s", " ".join(CFLAGS))
         _loaded.append(fn)
     return _loaded[0]
 
