@@ -190,11 +190,13 @@ def test_native_decode_attention_matches_masked_sdpa(heads, kv_heads, window):
     assert (got.float() - want).abs().max() < 0.02  # one bfloat16 rounding of values ~1
 
 
-def test_float32_kv_of_a_bfloat16_model_gives_its_tokens():
-    """A bfloat16 model's keys and values are exact in float32, so the KV dtype (and with it
-    the attention path: batched products over float32, or the native loop over bfloat16)
-    changes only the rounding inside attention: the same greedy tokens, log-probabilities
-    within bf16 noise, over prefills and decodes of several groups."""
+def test_float32_kv_of_a_bfloat16_model_gives_its_tokens(monkeypatch):
+    """A bfloat16 model's keys and values are exact in float32, so the KV dtype and the
+    decoding-attention path (batched products over float32 KV, the native loop over
+    bfloat16, SDPA over bfloat16 where the loop is not built) change only the rounding
+    inside attention: the same greedy tokens, log-probabilities within bf16 noise, over
+    prefills and decodes of several groups."""
+    from worker_service import decode_attention
     from worker_service.fixtures import make_model
 
     model_dir = make_model(tiny_model("llama").parent / "tiny-llama-bf16", arch="llama",
@@ -202,7 +204,9 @@ def test_float32_kv_of_a_bfloat16_model_gives_its_tokens():
     rng = random.Random(2)
     prompts = [[rng.randint(3, 999) for _ in range(rng.randint(1, 90))] for _ in range(6)]
     outs = []
-    for kv_dtype in ("float32", "bfloat16"):
+    for kv_dtype, native in (("float32", True), ("bfloat16", True), ("bfloat16", False)):
+        if not native:
+            monkeypatch.setattr(decode_attention, "_loaded", [None])
         runner = ModelRunner(str(model_dir), dtype="bfloat16", kv_dtype=kv_dtype)
         assert runner.kv_shape.dtype == getattr(torch, kv_dtype)
         engine = Engine(runner)
@@ -215,6 +219,7 @@ def test_float32_kv_of_a_bfloat16_model_gives_its_tokens():
             result = engine.step([], new, [live[::2], live[1::2]])
             steps.append(sorted((t.seq_id, t.token_id, t.logprob) for t in result.tokens))
         outs.append(steps)
-    for a, b in zip(*outs):
-        assert [(s, t) for s, t, _ in a] == [(s, t) for s, t, _ in b]
-        assert max(abs(x[2] - y[2]) for x, y in zip(a, b)) < 0.05
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert [(s, t) for s, t, _ in a] == [(s, t) for s, t, _ in b]
+            assert max(abs(x[2] - y[2]) for x, y in zip(a, b)) < 0.05

@@ -164,11 +164,15 @@ class PackedBatch:
                 k = seg.group.keys[layer][seg.row_start : seg.row_end, :, : seg.kv_len]
                 q = q.to(k.dtype)
                 v = seg.group.values[layer][seg.row_start : seg.row_end, :, : seg.kv_len]
-                # Two batched products over the buffer views (no copy): with one query
-                # per row they beat SDPA's kernel, which tiles for many queries.
-                scores = torch.matmul(q, k.transpose(-1, -2))
-                scores.mul_(scaling).add_(seg.bias)
-                o = torch.matmul(torch.softmax(scores, -1), v)
+                if k.dtype == torch.float32 and k.device.type == "cpu":
+                    # Two batched products over the buffer views (no copy): with one query
+                    # per row they beat SDPA's CPU kernel, which tiles for many queries.
+                    scores = torch.matmul(q, k.transpose(-1, -2))
+                    scores.mul_(scaling).add_(seg.bias)
+                    o = torch.matmul(torch.softmax(scores, -1), v)
+                else:
+                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask,
+                                                       scale=scaling)
                 out[0, a:b] = o.reshape(rows, heads, -1)
                 continue
             q = query[:, :, a:b]
