@@ -671,12 +671,11 @@ def test_http_invocations_fuzz(server):
 def test_recovery_isolates_a_request_the_worker_cannot_run():
     """A Step that fails because of one sequence fails that sequence after a few tries;
     the sequences batched with it are re-prefilled apart from it and finish normally."""
-    from scheduler_service.detokenizer import IncrementalDetokenizer, StopMatcher
     from scheduler_service.loop import IterationLoop
     from scheduler_service.metrics import SchedulerMetrics
-    from scheduler_service.params import DecodingConfig
-    from scheduler_service.sequence import FinishEvent, FinishReason, Sequence
+    from scheduler_service.sequence import FinishReason
     from scheduler_service.worker_client import StepFailed
+    from tests.loop_driver import greedy_sequence, run_to_the_end
     from seqserve.worker.v1 import worker_pb2
 
     tok = tokenizer(str(tiny_model("llama")))
@@ -724,23 +723,8 @@ def test_recovery_isolates_a_request_the_worker_cannot_run():
         worker = FailingWorker(poison=3)
         loop = IterationLoop(worker, max_rolling_batch_size=8, max_queue=16, max_sparsity=0.5,
                              max_splits=2, worker_timeout=5, metrics=SchedulerMetrics())
-        seqs = []
-        for i in range(6):
-            ids = tok(f"request number {i}").input_ids
-            seqs.append(Sequence(seq_id=loop.new_seq_id(), request_id=str(i), prompt_ids=ids,
-                                 params=DecodingConfig(max_new_tokens=5, strategy="greedy"),
-                                 detokenizer=IncrementalDetokenizer(tok, ids),
-                                 stops=StopMatcher(())))
-        for s in seqs:
-            loop.submit(s)
-        task = asyncio.create_task(loop.run())
-
-        async def finish(s):
-            while True:
-                ev = await s.events.get()
-                if isinstance(ev, FinishEvent):
-                    return ev
-        ends = await asyncio.wait_for(asyncio.gather(*(finish(s) for s in seqs)), 30)
+        seqs = [greedy_sequence(loop, tok, f"request number {i}", 5) for i in range(6)]
+        task, ends = await run_to_the_end(loop, seqs)
         loop.stop()
         await task
         return worker, seqs, ends

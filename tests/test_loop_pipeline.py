@@ -9,14 +9,13 @@ import asyncio
 import pytest
 from transformers import AutoTokenizer
 
-from scheduler_service.detokenizer import IncrementalDetokenizer, StopMatcher
 from scheduler_service.loop import IterationLoop
 from scheduler_service.metrics import SchedulerMetrics
-from scheduler_service.params import DecodingConfig
-from scheduler_service.sequence import FinishEvent, FinishReason, Sequence
+from scheduler_service.sequence import FinishReason
 from scheduler_service.worker_client import StepFailed
 from seqserve.worker.v1 import worker_pb2
 from tests.conftest import tiny_model
+from tests.loop_driver import greedy_sequence, run_to_the_end
 
 EOS = 0
 TOKEN = 5
@@ -86,23 +85,9 @@ def test_steps_in_flight_release_at_the_length_limit_and_drop_tokens_past_eos(in
         loop = IterationLoop(worker, max_rolling_batch_size=4, max_queue=16, max_sparsity=0.3,
                              max_splits=2, worker_timeout=5, metrics=SchedulerMetrics(),
                              max_prefill_tokens=8, steps_in_flight=in_flight)
-        seqs = []
-        for i, n in enumerate(limits):
-            ids = tok(f"request {i} " + "word " * i).input_ids
-            seqs.append(Sequence(seq_id=loop.new_seq_id(), request_id=str(i), prompt_ids=ids,
-                                 params=DecodingConfig(max_new_tokens=n, strategy="greedy"),
-                                 detokenizer=IncrementalDetokenizer(tok, ids),
-                                 stops=StopMatcher(())))
-        for s in seqs:
-            loop.submit(s)
-        task = asyncio.create_task(loop.run())
-
-        async def finish(s):
-            while True:
-                ev = await s.events.get()
-                if isinstance(ev, FinishEvent):
-                    return ev
-        ends = await asyncio.wait_for(asyncio.gather(*(finish(s) for s in seqs)), 30)
+        seqs = [greedy_sequence(loop, tok, f"request {i} " + "word " * i, n)
+                for i, n in enumerate(limits)]
+        task, ends = await run_to_the_end(loop, seqs)
         for _ in range(500):  # the last releases go out after the answers
             if loop.idle() and not worker.live:
                 break
