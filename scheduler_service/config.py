@@ -91,8 +91,9 @@ OPTIONS: tuple[Option, ...] = (
            help="weights dtype; auto: bf16 where supported, else fp32"),
     Option("kv_cache_dtype", _dtype, "auto",
            "fp32, bf16, fp16 (or float32, bfloat16, float16, auto)",
-           help="dtype of the worker's KV buffers; auto: the model's, but float32 for "
-                "half-precision models on CPU (faster attention there)"),
+           help="dtype of the worker's KV buffers; auto: the model's, except on CPU: "
+                "float32 for float16 models, and for bfloat16 ones where the native "
+                "decoding attention cannot be built"),
     Option("trust_remote_code", _bool, False, "true or false",
            help="run model code shipped with the model (off unless set)"),
     Option("max_rolling_batch_size", int, 64, "an integer >= 1", lambda v: v >= 1,

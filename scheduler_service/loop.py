@@ -30,7 +30,6 @@ logger = logging.getLogger(__name__)
 MAX_STEP_FAILURES = 3
 
 
-
 @dataclass
 class _InFlight:
     """A Step sent to the worker and not yet answered."""

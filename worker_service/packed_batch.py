@@ -161,9 +161,9 @@ class PackedBatch:
                 # Fold the query heads that share a kv head into the query axis: no kv
                 # head is repeated, and the row's mask broadcasts over them.
                 q = query[0, :, a:b].transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, -1)
-                k = seg.group.keys[layer][seg.row_start : seg.row_end, :, : seg.kv_len]
+                k = k_buf[seg.row_start : seg.row_end, :, : seg.kv_len]
+                v = v_buf[seg.row_start : seg.row_end, :, : seg.kv_len]
                 q = q.to(k.dtype)
-                v = seg.group.values[layer][seg.row_start : seg.row_end, :, : seg.kv_len]
                 if k.dtype == torch.float32 and k.device.type == "cpu":
                     # Two batched products over the buffer views (no copy): with one query
                     # per row they beat SDPA's CPU kernel, which tiles for many queries.
