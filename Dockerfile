@@ -35,7 +35,7 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # A C compiler: the worker builds its bfloat16 decoding-attention loop at start
-# (worker_service/decode_attention.c); without one it keeps bf16 KV in float32 on CPU.
+# (worker_service/native_attention.c); without one it keeps bf16 KV in float32 on CPU.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*

@@ -147,7 +147,7 @@ def test_grown_buffers_keep_the_kv_and_zero_every_other_slot():
 
 
 def test_kv_dtype_auto_on_cpu_is_bfloat16_with_the_native_loop_else_float32(monkeypatch):
-    from worker_service import decode_attention
+    from worker_service import native_attention
     from worker_service.model_runner import resolve_kv_dtype
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
@@ -158,27 +158,34 @@ def test_kv_dtype_auto_on_cpu_is_bfloat16_with_the_native_loop_else_float32(monk
     assert resolve_kv_dtype("float32", torch.bfloat16, cpu) == torch.float32
     with pytest.raises(ValueError, match="kv dtype 'int8'"):
         resolve_kv_dtype("int8", torch.bfloat16, cpu)
-    monkeypatch.setattr(decode_attention, "_loaded", [None])  # as where no compiler exists
+    monkeypatch.setattr(native_attention, "_loaded", [None])  # as where no compiler exists
     assert resolve_kv_dtype("auto", torch.bfloat16, cpu) == torch.float32
 
 
-@pytest.mark.parametrize("heads,kv_heads,window", [(4, 4, None), (4, 2, None), (6, 2, 5)])
-def test_native_decode_attention_matches_masked_sdpa(heads, kv_heads, window):
+# Head sizes: 16 takes the portable loop; 64 and 128 the AVX512-BF16 one where the CPU has
+# it, with the size fixed at compile time; 96 the AVX512-BF16 one with a run-time size.
+NATIVE_SHAPES = [(4, 4, None, 16), (4, 2, None, 16), (6, 2, 5, 16), (4, 2, None, 64),
+                 (6, 2, 5, 128), (2, 1, None, 96)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,window,dim", NATIVE_SHAPES)
+def test_native_decode_attention_matches_masked_sdpa(heads, kv_heads, window, dim):
     """The C loop against float32 SDPA with the row masks the worker builds: padded rows of
-    different lengths, a segment starting past row 0, grouped-query heads, a sliding
-    window; 36-54 (row, head) pairs, enough for it to split them over threads."""
-    from worker_service import decode_attention
+    different lengths (blocks of 16 slots and the rest), a segment starting past row 0,
+    grouped-query heads, a sliding window; 18-54 (row, head) pairs, enough for it to split
+    them over threads."""
+    from worker_service import native_attention
     from worker_service.attention import build_mask
 
     assert shutil.which("cc") or shutil.which("gcc"), "the test machine has a C compiler"
-    assert decode_attention.kernel() is not None
-    g = torch.Generator().manual_seed(heads + kv_heads)
-    rows, cap, dim, row_start = 9, 40, 16, 2
+    assert native_attention.kernel() is not None
+    g = torch.Generator().manual_seed(heads + kv_heads + dim)
+    rows, cap, row_start = 9, 40, 2
     keys = torch.randn(rows + row_start + 1, kv_heads, cap, dim, generator=g).bfloat16()
     values = torch.randn(keys.shape, generator=g).bfloat16()
     slots = torch.tensor([0, 7, 19, 33, 12, 3, 38, 1, 25])  # each row's new token's slot
     query = torch.randn(rows, heads, dim, generator=g).bfloat16()
-    got = decode_attention.attend(query, keys, values, row_start, slots + 1,
+    got = native_attention.attend(query, keys, values, row_start, slots + 1,
                                   int(slots.max()) + 1, 0.25, window)
     kv_len = int(slots.max()) + 1
     mask = build_mask(slots, 1, kv_len, None, window)  # [rows, 1, 1, kv_len]
@@ -190,13 +197,38 @@ def test_native_decode_attention_matches_masked_sdpa(heads, kv_heads, window):
     assert (got.float() - want).abs().max() < 0.02  # one bfloat16 rounding of values ~1
 
 
+@pytest.mark.parametrize("heads,kv_heads,window,dim", NATIVE_SHAPES)
+@pytest.mark.parametrize("start", [0, 21])
+def test_native_prompt_attention_matches_causal_sdpa(heads, kv_heads, window, dim, start):
+    """The C prompt loop against float32 SDPA with the mask the worker builds: 37 queries
+    of one row after `start` slots already held (a prefix-cache hit), over a buffer with
+    other rows and spare slots around it."""
+    from worker_service import native_attention
+    from worker_service.attention import build_mask
+
+    g = torch.Generator().manual_seed(heads + dim + start)
+    tokens, cap, row = 37, 64, 1
+    keys = torch.randn(3, kv_heads, cap, dim, generator=g).bfloat16()
+    values = torch.randn(keys.shape, generator=g).bfloat16()
+    query = torch.randn(tokens, heads, dim, generator=g).bfloat16()
+    got = native_attention.attend_prompt(query, keys, values, row, start, 0.3, window)
+    kv_len = start + tokens
+    mask = build_mask(torch.tensor([start]), tokens, kv_len, None, window)  # [1, 1, q, kv]
+    k = keys[row:row + 1, :, :kv_len].float().repeat_interleave(heads // kv_heads, 1)
+    v = values[row:row + 1, :, :kv_len].float().repeat_interleave(heads // kv_heads, 1)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query.float().transpose(0, 1)[None], k, v, attn_mask=mask, scale=0.3)[0].transpose(0, 1)
+    assert got.dtype == torch.bfloat16 and got.shape == query.shape
+    assert (got.float() - want).abs().max() < 0.02
+
+
 def test_float32_kv_of_a_bfloat16_model_gives_its_tokens(monkeypatch):
     """A bfloat16 model's keys and values are exact in float32, so the KV dtype and the
     decoding-attention path (batched products over float32 KV, the native loop over
     bfloat16, SDPA over bfloat16 where the loop is not built) change only the rounding
     inside attention: the same greedy tokens, log-probabilities within bf16 noise, over
     prefills and decodes of several groups."""
-    from worker_service import decode_attention
+    from worker_service import native_attention
     from worker_service.fixtures import make_model
 
     model_dir = make_model(tiny_model("llama").parent / "tiny-llama-bf16", arch="llama",
@@ -206,7 +238,7 @@ def test_float32_kv_of_a_bfloat16_model_gives_its_tokens(monkeypatch):
     outs = []
     for kv_dtype, native in (("float32", True), ("bfloat16", True), ("bfloat16", False)):
         if not native:
-            monkeypatch.setattr(decode_attention, "_loaded", [None])
+            monkeypatch.setattr(native_attention, "_loaded", [None])
         runner = ModelRunner(str(model_dir), dtype="bfloat16", kv_dtype=kv_dtype)
         assert runner.kv_shape.dtype == getattr(torch, kv_dtype)
         engine = Engine(runner)

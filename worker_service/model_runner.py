@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from worker_service import attention, decode_attention, linear_prepack
+from worker_service import attention, native_attention, linear_prepack
 from worker_service.kv_groups import KVShape
 from worker_service.packed_batch import PackedBatch, PackedCache, StatelessCache
 
@@ -67,13 +67,13 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) 
     """The dtype of the KV buffers. auto: the model's, except on CPU where torch's attention
     reads half-precision keys one query row at a time far below memory speed (a decoding
     step over 30 rows of 300 slots, 12 heads of 64: 6.1 ms in bfloat16, 2.7 ms in float32).
-    bfloat16 KV there is read by the native decoding loop (decode_attention.py, 1.5 ms);
+    bfloat16 KV there is read by the native decoding loop (native_attention.py, 1.5 ms);
     where it cannot be built, and for float16, the KV is kept in float32. Half precision
     converts to float32 exactly, so only the rounding inside attention changes."""
     if name == "auto":
         if device.type != "cpu" or model_dtype == torch.float32:
             return model_dtype
-        if model_dtype == torch.bfloat16 and decode_attention.kernel() is not None:
+        if model_dtype == torch.bfloat16 and native_attention.kernel() is not None:
             return torch.bfloat16
         return torch.float32
     if name not in DTYPES:

@@ -1,17 +1,23 @@
-"""Decoding attention over bfloat16 KV on CPU with a small C loop (`decode_attention.c`).
+"""Attention over bfloat16 KV on CPU with a small C library (`native_attention.c`).
 
 torch's CPU kernels read bfloat16 keys one query row at a time far below memory speed:
-on this project's CPUs a decoding step over 30 rows of 300 slots (12 heads of 64) took
-6.1 ms through SDPA in bfloat16, 2.7 ms with the KV in float32, and 1.5-1.6 ms through this
-loop on one thread, which reads each row's keys and values once, only up to the row's
-length (no padding), and converts them to float32 in registers. Replaying the issue-7 burst
-in process: 5.7-6.2 s against 6.2-8.0 s with float32 KV.
+a decoding step over 30 rows of 300 slots (12 heads of 64) took 6.1 ms through SDPA in
+bfloat16 and 2.7 ms with the KV in float32. The C loops read each row's keys and values
+once, only up to the row's length (no padding), and keep scores and sums in float32:
 
-The C file is compiled when the worker starts (`cc -O3 -march=native`, about 0.2 s) into a
+- `attend` (decoding: one query per row of a group): 0.13 ms for 30 rows of 0-300 slots.
+- `attend_prompt` (a prompt, causal over its row's slots, after any cached prefix): 2.0
+  ms for 512 tokens against 4.8 ms through SDPA in bfloat16.
+
+Where the CPU has AVX512-BF16 (and the head size is a multiple of 32) the query-key
+products use its bfloat16 dot instruction, 16 slots at a time. Replaying the issue-7
+burst in process: 4.0-4.2 s, against 4.5-4.7 s with the portable C loop for decoding and
+SDPA for prompts (figures in docs/benchmarks.md).
+
+The C file is compiled when the worker starts (`cc -O3 -march=native`, about 0.3 s) into a
 temporary directory and loaded with ctypes: no torch headers, no build step at install.
-With OpenMP it splits the (row, head) pairs over torch's own threads: 1.1 ms against 2.4
-ms on one thread for the step above, and the in-process replay 5.0-5.8 s against 5.8-6.4.
-Where no C compiler is found, or the build fails, `kernel()` is None and the worker keeps
+With OpenMP it splits the (row or query, head) pairs over torch's own threads. Where no C
+compiler is found, or the build fails, `kernel()` is None and the worker keeps
 half-precision KV in float32 instead (model_runner.resolve_kv_dtype).
 """
 
@@ -29,7 +35,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode_attention.c")
+SOURCE = Path(__file__).with_name("native_attention.c")
 CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 # With OpenMP the loop runs on torch's own thread team, but only where torch's OpenMP is
 # GNU libgomp (Linux wheels): the library then binds to the libgomp.so.1 already loaded.
@@ -51,7 +57,7 @@ def _build() -> ctypes.CDLL | None:
     detail = ""
     with tempfile.TemporaryDirectory(prefix="seqserve-") as tmp:
         for i, flags in enumerate(attempts):
-            lib = Path(tmp) / f"decode_attention{i}.so"
+            lib = Path(tmp) / f"native_attention{i}.so"
             try:
                 subprocess.run([cc, *flags, "-o", str(lib), str(SOURCE), "-lm"], check=True,
                                capture_output=True, text=True, timeout=120)
@@ -73,16 +79,18 @@ def _torch_uses_libgomp() -> bool:
         return False
 
 
-def kernel():
-    """The C function, built on first use; None where it cannot be built."""
+def kernel() -> ctypes.CDLL | None:
+    """The C library, built on first use; None where it cannot be built."""
     if not _loaded:
         lib = _build()
-        fn = None
         if lib is not None:
-            fn = lib.decode_attention_bf16
-            fn.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, _I]
-            fn.restype = ctypes.c_int
-        _loaded.append(fn)
+            lib.decode_attention_bf16.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I,
+                                                  ctypes.c_float, _I, _I]
+            lib.decode_attention_bf16.restype = ctypes.c_int
+            lib.prompt_attention_bf16.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I,
+                                                  ctypes.c_float, _I]
+            lib.prompt_attention_bf16.restype = ctypes.c_int
+        _loaded.append(lib)
     return _loaded[0]
 
 
@@ -104,10 +112,29 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_st
     rows, heads, dim = query.shape
     out = torch.empty_like(query)
     offset = row_start * keys.stride(0) * keys.element_size()
-    status = kernel()(query.data_ptr(), keys.data_ptr() + offset, values.data_ptr() + offset,
+    status = kernel().decode_attention_bf16(query.data_ptr(), keys.data_ptr() + offset, values.data_ptr() + offset,
                       out.data_ptr(), ends.data_ptr(), rows, heads, keys.shape[1], dim,
                       keys.stride(0), keys.stride(1), scale, window or 0, max_end)
     if status != 0:
         raise ValueError(f"native decode attention refused heads={heads} kv_heads="
+                         f"{keys.shape[1]} dim={dim} (status {status})")
+    return out
+
+
+def attend_prompt(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row: int,
+                  start: int, scale: float, window: int | None) -> torch.Tensor:
+    """Causal attention of a prompt's queries [tokens, heads, dim] (bfloat16) at slots
+    start, start + 1, ... of buffer row `row`, whose keys and values up to the last of them
+    are already written. Returns [tokens, heads, dim] bfloat16."""
+    query = query.contiguous()
+    tokens, heads, dim = query.shape
+    out = torch.empty_like(query)
+    offset = row * keys.stride(0) * keys.element_size()
+    status = kernel().prompt_attention_bf16(
+        query.data_ptr(), keys.data_ptr() + offset, values.data_ptr() + offset,
+        out.data_ptr(), start, tokens, heads, keys.shape[1], dim, keys.stride(1), scale,
+        window or 0)
+    if status != 0:
+        raise ValueError(f"native prompt attention refused heads={heads} kv_heads="
                          f"{keys.shape[1]} dim={dim} (status {status})")
     return out

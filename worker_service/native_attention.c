@@ -1,0 +1,306 @@
+/* Attention over bfloat16 KV buffers on CPU: decoding (one query per row) and prompts.
+ *
+ * Built and loaded at run time by native_attention.py (plain C, no torch headers). torch's
+ * CPU kernels read bfloat16 keys one query row at a time far below memory speed; these
+ * loops stream each row's keys and values once, keep scores and sums in float32, and read
+ * only the row's own slots (no padding).
+ *
+ * Layout (element strides, bfloat16 as uint16):
+ *   q    [rows, heads, dim]                       contiguous
+ *   k, v [rows, kv_heads, slots, dim]             row stride row_stride, head stride
+ *                                                 head_stride, slot stride dim
+ *   out  [rows, heads, dim]                       contiguous
+ * Row r attends to slots [first, lengths[r]) with first = lengths[r] - window when
+ * window > 0, else 0.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu))
+        return (uint16_t)((bits >> 16) | 0x40); /* quiet NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even, as torch does */
+    return (uint16_t)(bits >> 16);
+}
+
+#define MAX_DIM 512
+/* (row, head) pairs below which a call stays on one thread. */
+#define MIN_PAIRS_PER_THREAD 16
+
+static void attend_one_generic(const uint16_t *qh, const uint16_t *kh, const uint16_t *vh,
+                               uint16_t *o, int64_t end, int64_t dim, float scale,
+                               int64_t window, float *scores) {
+    const int64_t first = (window > 0 && end > window) ? end - window : 0;
+    float qf[MAX_DIM], acc[MAX_DIM];
+    for (int64_t d = 0; d < dim; d++)
+        qf[d] = bf16_to_float(qh[d]) * scale;
+    float best = -INFINITY;
+    for (int64_t s = first; s < end; s++) {
+        const uint16_t *ks = kh + s * dim;
+        /* 16 partial sums: the compiler vectorizes the lanes without reordering any one
+         * sum (no -ffast-math). */
+        float part[16] = {0.f};
+        int64_t d = 0;
+        for (; d + 16 <= dim; d += 16)
+            for (int i = 0; i < 16; i++)
+                part[i] += qf[d + i] * bf16_to_float(ks[d + i]);
+        float dot = 0.f;
+        for (; d < dim; d++)
+            dot += qf[d] * bf16_to_float(ks[d]);
+        for (int i = 0; i < 16; i++)
+            dot += part[i];
+        scores[s - first] = dot;
+        best = dot > best ? dot : best;
+    }
+    const int64_t n = end - first;
+    float total = 0.f;
+    for (int64_t s = 0; s < n; s++) {
+        scores[s] = expf(scores[s] - best);
+        total += scores[s];
+    }
+    for (int64_t d = 0; d < dim; d++)
+        acc[d] = 0.f;
+    for (int64_t s = first; s < end; s++) {
+        const uint16_t *vs = vh + s * dim;
+        const float p = scores[s - first];
+        for (int64_t d = 0; d < dim; d++)
+            acc[d] += p * bf16_to_float(vs[d]);
+    }
+    const float inv = n > 0 ? 1.f / total : 0.f;
+    for (int64_t d = 0; d < dim; d++)
+        o[d] = float_to_bf16(acc[d] * inv);
+}
+
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_AVX512_BF16 1
+
+/* exp(x) for x <= 0 (scores minus their maximum), 16 lanes: x = n ln2 + r, |r| <= ln2 / 2,
+ * exp(r) by its degree-6 Taylor polynomial (relative error below 2e-7, about one float32
+ * ulp), times 2^n. Lanes below -87 give 0, as expf underflows there. */
+static inline __m512 exp_le0(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f);
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lo);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x); /* ln2, high part */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);      /* ln2, low part */
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_maskz_scalef_ps(~tiny, p, n);
+}
+
+/* Sums of 16 vectors: lane j of the result is the sum of a[j]'s lanes (a transposing
+ * tree of adds: 4 levels instead of 16 horizontal reductions). */
+static inline __m512 sum16(__m512 a[16]) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)  /* 128-bit blocks: [a0+a2, a1+a3 | b0+b2, b1+b3] */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xee));
+    for (int i = 0; i < 4; i++)  /* block k of c[i]: 4 partials of vector 4i + k */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+    for (int i = 0; i < 2; i++)  /* block k: [v, w, v, w] partials, v = 8i + k, w = v + 4 */
+        d[i] = _mm512_add_ps(_mm512_unpacklo_ps(c[2 * i], c[2 * i + 1]),
+                             _mm512_unpackhi_ps(c[2 * i], c[2 * i + 1]));
+    /* block k, lane m: the sum of vector 4m + k */
+    const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x44),
+                                   _mm512_shuffle_ps(d[0], d[1], 0xee));
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1,
+                                           12, 8, 4, 0);
+    return _mm512_permutexvar_ps(order, e);
+}
+
+static inline __m512 load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* attend_one_generic for dim a multiple of 32: query-key products with AVX512-BF16 dot
+ * instructions (exact bfloat16 products, float32 sums), 16 slots at a time; the
+ * probabilities stay float32 for the weighted sum of values. */
+static inline __attribute__((always_inline)) void
+attend_one_avx512(const uint16_t *qh, const uint16_t *kh, const uint16_t *vh, uint16_t *o,
+                  int64_t end, const int64_t dim, float scale, int64_t window, float *scores) {
+    const int64_t first = (window > 0 && end > window) ? end - window : 0;
+    const int64_t n = end - first;
+    kh += first * dim;
+    vh += first * dim;
+    const int64_t chunks = dim / 32; /* 32 bfloat16 per dot instruction */
+    __m512bh qv[MAX_DIM / 32];
+    for (int64_t c = 0; c < chunks; c++)
+        qv[c] = (__m512bh)_mm512_loadu_si512(qh + c * 32);
+    const __m512 sv = _mm512_set1_ps(scale);
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    int64_t s = 0;
+    for (; s + 16 <= n; s += 16) {
+        __m512 acc[16];
+        for (int j = 0; j < 16; j++) {
+            const uint16_t *ks = kh + (s + j) * dim;
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t c = 0; c < chunks; c++)
+                a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(ks + c * 32));
+            acc[j] = a;
+        }
+        const __m512 dots = _mm512_mul_ps(sum16(acc), sv);
+        _mm512_storeu_ps(scores + s, dots);
+        best = _mm512_max_ps(best, dots);
+    }
+    float top = _mm512_reduce_max_ps(best);
+    for (; s < n; s++) {
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t c = 0; c < chunks; c++)
+            a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(kh + s * dim + c * 32));
+        scores[s] = _mm512_reduce_add_ps(a) * scale;
+        top = scores[s] > top ? scores[s] : top;
+    }
+    const __m512 topv = _mm512_set1_ps(top);
+    __m512 totv = _mm512_setzero_ps();
+    for (s = 0; s + 16 <= n; s += 16) {
+        const __m512 e = exp_le0(_mm512_sub_ps(_mm512_loadu_ps(scores + s), topv));
+        _mm512_storeu_ps(scores + s, e);
+        totv = _mm512_add_ps(totv, e);
+    }
+    if (s < n) {
+        const __mmask16 m = (__mmask16)((1u << (n - s)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(
+            m, exp_le0(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + s), topv)));
+        _mm512_mask_storeu_ps(scores + s, m, e);
+        totv = _mm512_add_ps(totv, e);
+    }
+    const float total = _mm512_reduce_add_ps(totv);
+    /* Several slots per iteration, each into accumulators of its own: one chain of
+     * dependent multiply-adds per slot would wait on the FMA latency every slot. */
+    enum { UNROLL = 4 };
+    const int64_t vecs = dim / 16, ways = dim <= 64 ? 4 : dim <= 128 ? 2 : 1;
+    __m512 acc[UNROLL][MAX_DIM / 16];
+    for (int u = 0; u < UNROLL; u++)
+        for (int64_t c = 0; c < vecs; c++)
+            acc[u][c] = _mm512_setzero_ps();
+    for (s = 0; s + ways <= n; s += ways)
+        for (int u = 0; u < ways; u++) {
+            const __m512 p = _mm512_set1_ps(scores[s + u]);
+            const uint16_t *vs = vh + (s + u) * dim;
+            for (int64_t c = 0; c < vecs; c++)
+                acc[u][c] = _mm512_fmadd_ps(p, load_bf16(vs + c * 16), acc[u][c]);
+        }
+    for (; s < n; s++) {
+        const __m512 p = _mm512_set1_ps(scores[s]);
+        for (int64_t c = 0; c < vecs; c++)
+            acc[0][c] = _mm512_fmadd_ps(p, load_bf16(vh + s * dim + c * 16), acc[0][c]);
+    }
+    for (int u = 1; u < ways; u++)
+        for (int64_t c = 0; c < vecs; c++)
+            acc[0][c] = _mm512_add_ps(acc[0][c], acc[u][c]);
+    const float inv = n > 0 ? 1.f / total : 0.f;
+    float tmp[16];
+    for (int64_t c = 0; c < vecs; c++) {
+        _mm512_storeu_ps(tmp, _mm512_mul_ps(acc[0][c], _mm512_set1_ps(inv)));
+        for (int i = 0; i < 16; i++)
+            o[c * 16 + i] = float_to_bf16(tmp[i]);
+    }
+}
+#endif
+
+/* One query (head) against slots [first, end) of one key/value head, first = end - window
+ * when window > 0, else 0. kh, vh point at slot 0; slots are dim apart. */
+static void attend_one(const uint16_t *qh, const uint16_t *kh, const uint16_t *vh, uint16_t *o,
+                       int64_t end, int64_t dim, float scale, int64_t window, float *scores) {
+#ifdef HAVE_AVX512_BF16
+    /* The common head sizes as constants, so the accumulators live in registers. */
+    if (dim == 64)
+        attend_one_avx512(qh, kh, vh, o, end, 64, scale, window, scores);
+    else if (dim == 128)
+        attend_one_avx512(qh, kh, vh, o, end, 128, scale, window, scores);
+    else if (dim % 32 == 0)
+        attend_one_avx512(qh, kh, vh, o, end, dim, scale, window, scores);
+    else
+        attend_one_generic(qh, kh, vh, o, end, dim, scale, window, scores);
+#else
+    attend_one_generic(qh, kh, vh, o, end, dim, scale, window, scores);
+#endif
+}
+
+/* Returns 0, or -1 for a shape it does not take, -2 when memory ran out. Parallel over
+ * (row, head) pairs with OpenMP when built with -fopenmp: the library then shares
+ * torch's OpenMP runtime (same libgomp.so.1, already loaded), so the threads are torch's
+ * own team, not a second set competing for the cores. */
+int decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                          uint16_t *out, const int64_t *lengths, int64_t rows,
+                          int64_t heads, int64_t kv_heads, int64_t dim,
+                          int64_t row_stride, int64_t head_stride, float scale,
+                          int64_t window, int64_t max_len) {
+    if (dim > MAX_DIM || kv_heads <= 0 || heads % kv_heads)
+        return -1;
+    const int64_t pairs = rows * heads, group = heads / kv_heads;
+    int status = 0;
+#pragma omp parallel if (pairs >= 2 * MIN_PAIRS_PER_THREAD)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(max_len > 0 ? max_len + 16 : 16));
+        if (!scores) {
+#pragma omp atomic write
+            status = -2;
+        }
+#pragma omp for schedule(static)
+        for (int64_t pair = 0; pair < pairs; pair++)
+            if (scores)
+            {
+                const int64_t r = pair / heads, h = pair % heads;
+                const int64_t at = r * row_stride + (h / group) * head_stride;
+                attend_one(q + pair * dim, k + at, v + at, out + pair * dim, lengths[r], dim,
+                           scale, window, scores);
+            }
+        free(scores);
+    }
+    return status;
+}
+
+/* Prompt attention over one row: query i (of `tokens`, at slot start + i) attends to slots
+ * up to its own, which the caller has already written. Layout as above with q and out
+ * [tokens, heads, dim] and k, v pointing at the row. Pairs are dealt out in small chunks,
+ * as later queries read more slots. */
+int prompt_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                          uint16_t *out, int64_t start, int64_t tokens, int64_t heads,
+                          int64_t kv_heads, int64_t dim, int64_t head_stride, float scale,
+                          int64_t window) {
+    if (dim > MAX_DIM || kv_heads <= 0 || heads % kv_heads)
+        return -1;
+    const int64_t pairs = tokens * heads, group = heads / kv_heads;
+    int status = 0;
+#pragma omp parallel if (pairs >= 2 * MIN_PAIRS_PER_THREAD)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(start + tokens + 16));
+        if (!scores) {
+#pragma omp atomic write
+            status = -2;
+        }
+#pragma omp for schedule(dynamic, 8)
+        for (int64_t pair = 0; pair < pairs; pair++)
+            if (scores) {
+                const int64_t i = pair / heads, h = pair % heads;
+                const int64_t at = (h / group) * head_stride;
+                attend_one(q + pair * dim, k + at, v + at, out + pair * dim, start + i + 1,
+                           dim, scale, window, scores);
+            }
+        free(scores);
+    }
+    return status;
+}
