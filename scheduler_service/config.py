@@ -40,12 +40,17 @@ _DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat1
 
 @dataclass(frozen=True)
 class Option:
+    """How one option is read and checked; its type and default are ServingConfig's."""
+
     key: str  # name after "option." in the file ("engine" has no prefix)
     parse: Callable[[str], Any]
-    default: Any
     allowed: str  # words for error messages
     check: Callable[[Any], bool] = lambda v: True
     help: str = ""
+
+    @property
+    def default(self) -> Any:
+        return _DEFAULTS[self.key]
 
 
 def _choice(*values: str) -> Callable[[str], str]:
@@ -81,83 +86,81 @@ def _addresses(text: str) -> tuple[str, ...]:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("engine", str, "Python", "any engine name (kept for DJL compatibility)",
+    Option("engine", str, "any engine name (kept for DJL compatibility)",
            help="DJL engine name; seqserve runs its own engine whatever it says"),
-    Option("model_id", str, "", "a local model directory or a hub name",
+    Option("model_id", str, "a local model directory or a hub name",
            help="Hugging Face model directory or hub id"),
-    Option("tensor_parallel_degree", int, 1, "1 (one worker per accelerator)",
+    Option("tensor_parallel_degree", int, "1 (one worker per accelerator)",
            lambda v: v == 1, "tensor parallelism per worker (only 1)"),
-    Option("dtype", _dtype, "auto", "fp32, bf16, fp16 (or float32, bfloat16, float16, auto)",
+    Option("dtype", _dtype, "fp32, bf16, fp16 (or float32, bfloat16, float16, auto)",
            help="weights dtype; auto: bf16 where supported, else fp32"),
-    Option("kv_cache_dtype", _dtype, "auto",
-           "fp32, bf16, fp16 (or float32, bfloat16, float16, auto)",
+    Option("kv_cache_dtype", _dtype, "fp32, bf16, fp16 (or float32, bfloat16, float16, auto)",
            help="dtype of the worker's KV buffers; auto: the model's, except on CPU: "
                 "float32 for float16 models, and for bfloat16 ones where the native "
-                "decoding attention cannot be built"),
-    Option("trust_remote_code", _bool, False, "true or false",
+                "attention (native_attention.c) cannot be built"),
+    Option("trust_remote_code", _bool, "true or false",
            help="run model code shipped with the model (off unless set)"),
-    Option("max_rolling_batch_size", int, 64, "an integer >= 1", lambda v: v >= 1,
+    Option("max_rolling_batch_size", int, "an integer >= 1", lambda v: v >= 1,
            "most sequences decoded together"),
-    Option("rolling_batch", _choice("scheduler", "auto"), "scheduler", "scheduler",
+    Option("rolling_batch", _choice("scheduler", "auto"), "scheduler",
            help="rolling batch implementation (seqserve's scheduler)"),
-    Option("max_sparsity", _finite_float, 0.33, "a number in [0, 1]", lambda v: 0 <= v <= 1,
+    Option("max_sparsity", _finite_float, "a number in [0, 1]", lambda v: 0 <= v <= 1,
            "padding fraction tolerated before the batch is split"),
-    Option("max_splits", int, 3, "an integer >= 1", lambda v: v >= 1,
+    Option("max_splits", int, "an integer >= 1", lambda v: v >= 1,
            "most groups (attention calls per layer) per decoding step"),
-    Option("decoding_strategy", _choice("greedy", "sample", "contrastive"), "greedy",
-           "greedy, sample or contrastive", help="default decoding strategy"),
-    Option("device", _choice("auto", "cpu", "cuda"), "auto", "auto, cpu or cuda",
+    Option("decoding_strategy", _choice("greedy", "sample", "contrastive"), "greedy, sample or contrastive", help="default decoding strategy"),
+    Option("device", _choice("auto", "cpu", "cuda"), "auto, cpu or cuda",
            help="worker device; auto picks cuda when available"),
-    Option("host", str, "127.0.0.1", "an address to listen on",
+    Option("host", str, "an address to listen on",
            help="address the servers listen on (127.0.0.1 keeps them local)"),
-    Option("port", int, 8000, "a port in [0, 65535]", lambda v: 0 <= v <= 65535,
+    Option("port", int, "a port in [0, 65535]", lambda v: 0 <= v <= 65535,
            "scheduler gRPC port (0: pick a free one)"),
-    Option("http_port", int, 8080, "a port in [0, 65535], or -1 to disable",
+    Option("http_port", int, "a port in [0, 65535], or -1 to disable",
            lambda v: -1 <= v <= 65535, "scheduler HTTP port for POST /invocations"),
-    Option("metrics_port", int, 8001, "a port in [0, 65535], or -1 to disable",
+    Option("metrics_port", int, "a port in [0, 65535], or -1 to disable",
            lambda v: -1 <= v <= 65535, "scheduler Prometheus /metrics port"),
-    Option("worker_port", int, 8100, "a port in [0, 65535]", lambda v: 0 <= v <= 65535,
+    Option("worker_port", int, "a port in [0, 65535]", lambda v: 0 <= v <= 65535,
            "worker gRPC port"),
-    Option("worker_metrics_port", int, 8101, "a port in [0, 65535], or -1 to disable",
+    Option("worker_metrics_port", int, "a port in [0, 65535], or -1 to disable",
            lambda v: -1 <= v <= 65535, "worker Prometheus /metrics port"),
-    Option("worker_addresses", _addresses, ("127.0.0.1:8100",), "comma-separated host:port list",
+    Option("worker_addresses", _addresses, "comma-separated host:port list",
            help="workers the scheduler drives"),
-    Option("max_prefill_tokens", int, 4096, "an integer >= 1", lambda v: v >= 1,
+    Option("max_prefill_tokens", int, "an integer >= 1", lambda v: v >= 1,
            "prompt tokens admitted for prefill per step (one longer prompt still runs alone)"),
-    Option("steps_in_flight", int, 2, "an integer >= 1", lambda v: v >= 1,
+    Option("steps_in_flight", int, "an integer >= 1", lambda v: v >= 1,
            "Steps sent to the worker before the oldest is answered (1: each waits for the "
            "previous one's tokens)"),
-    Option("max_queue", int, 1024, "an integer >= 0", lambda v: v >= 0,
+    Option("max_queue", int, "an integer >= 0", lambda v: v >= 0,
            "waiting requests at most; past it requests get RESOURCE_EXHAUSTED"),
-    Option("max_new_tokens_limit", int, 4096, "an integer >= 1", lambda v: v >= 1,
+    Option("max_new_tokens_limit", int, "an integer >= 1", lambda v: v >= 1,
            "largest max_new_tokens a request may ask for"),
-    Option("default_max_new_tokens", int, 64, "an integer >= 1", lambda v: v >= 1,
+    Option("default_max_new_tokens", int, "an integer >= 1", lambda v: v >= 1,
            "max_new_tokens when a request does not say"),
-    Option("kv_cache_bytes", int, 4 << 30, "an integer >= 1", lambda v: v >= 1,
+    Option("kv_cache_bytes", int, "an integer >= 1", lambda v: v >= 1,
            "worker memory for KV caches (bytes)"),
-    Option("prompt_cache_bytes", int, 512 << 20, "an integer >= 0", lambda v: v >= 0,
+    Option("prompt_cache_bytes", int, "an integer >= 0", lambda v: v >= 0,
            "worker memory for cached prompt prefixes (bytes)"),
-    Option("prompt_cache_block_tokens", int, 16, "an integer in [1, 1024]",
+    Option("prompt_cache_block_tokens", int, "an integer in [1, 1024]",
            lambda v: 1 <= v <= 1024, "tokens per prefix-cache block (prefixes match in blocks)"),
-    Option("drain_timeout", _finite_float, 30.0, "a number of seconds >= 0", lambda v: v >= 0,
+    Option("drain_timeout", _finite_float, "a number of seconds >= 0", lambda v: v >= 0,
            "on SIGTERM, how long running requests may take to finish before exit"),
-    Option("worker_timeout", _finite_float, 60.0, "a number of seconds > 0", lambda v: v > 0,
+    Option("worker_timeout", _finite_float, "a number of seconds > 0", lambda v: v > 0,
            "how long the scheduler waits for a worker before failing requests"),
     # Security (docs/security.md). Paths are PEM files; empty means off.
-    Option("tls_cert_file", str, "", "a PEM certificate chain file, or empty for plaintext",
+    Option("tls_cert_file", str, "a PEM certificate chain file, or empty for plaintext",
            help="TLS certificate of the public gRPC and HTTP ports (with tls_key_file)"),
-    Option("tls_key_file", str, "", "a PEM private key file, or empty for plaintext",
+    Option("tls_key_file", str, "a PEM private key file, or empty for plaintext",
            help="TLS private key of the public ports (with tls_cert_file)"),
-    Option("tls_client_ca_file", str, "", "a PEM CA file, or empty (no client certificates)",
+    Option("tls_client_ca_file", str, "a PEM CA file, or empty (no client certificates)",
            help="require public clients to present a certificate signed by this CA"),
-    Option("worker_tls_cert_file", str, "", "a PEM certificate chain file, or empty",
+    Option("worker_tls_cert_file", str, "a PEM certificate chain file, or empty",
            help="mutual TLS scheduler<->worker: this process's certificate (worker: server "
                 "certificate; scheduler: client certificate)"),
-    Option("worker_tls_key_file", str, "", "a PEM private key file, or empty",
+    Option("worker_tls_key_file", str, "a PEM private key file, or empty",
            help="mutual TLS scheduler<->worker: the private key of worker_tls_cert_file"),
-    Option("worker_tls_ca_file", str, "", "a PEM CA file, or empty",
+    Option("worker_tls_ca_file", str, "a PEM CA file, or empty",
            help="mutual TLS scheduler<->worker: the CA that signed the other side's certificate"),
-    Option("auth_token", str, "", "any string; empty: no token required",
+    Option("auth_token", str, "any string; empty: no token required",
            help="bearer token the public API requires (prefer OPTION_AUTH_TOKEN to a flag)"),
 )
 _BY_KEY = {o.key: o for o in OPTIONS}
@@ -165,7 +168,8 @@ _BY_KEY = {o.key: o for o in OPTIONS}
 
 @dataclass(frozen=True)
 class ServingConfig:
-    """Every option, typed. Field names are the keys without `option.`."""
+    """Every option, typed, with its default (stated here only). Field names are the keys
+    without `option.`."""
 
     engine: str = "Python"
     model_id: str = ""
@@ -206,6 +210,7 @@ class ServingConfig:
 
 
 assert [f.name for f in fields(ServingConfig)] == [o.key for o in OPTIONS]
+_DEFAULTS = {f.name: f.default for f in fields(ServingConfig)}
 
 
 def parse_properties(text: str, source: str = "serving.properties") -> dict[str, str]:
