@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from worker_service import attention, native_attention, linear_prepack
+from worker_service import attention, fused_layers, linear_prepack, native_attention
 from worker_service.kv_groups import KVShape
 from worker_service.packed_batch import PackedBatch, PackedCache, StatelessCache
 
@@ -126,6 +126,10 @@ class ModelRunner:
             n = linear_prepack.prepack_linears(self.model)
             self.lm_head = self.model.get_output_embeddings()
             logger.info("prepacked the weights of %d linear layers for oneDNN", n)
+        norms, rotary = fused_layers.install(self.model)
+        if norms or rotary:
+            logger.info("one-pass C loops for %d RMSNorms and the rotary embedding of %d "
+                        "modeling modules", norms, rotary)
         self.kv_dtype = resolve_kv_dtype(kv_dtype, self.dtype, self.device)
         self.kv_shape = self._probe_kv_shape()
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)

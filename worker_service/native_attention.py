@@ -25,64 +25,24 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from worker_service import native_build
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_attention.c")
-CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
-# With OpenMP the loop runs on torch's own thread team, but only where torch's OpenMP is
-# GNU libgomp (Linux wheels): the library then binds to the libgomp.so.1 already loaded.
-# Another runtime beside torch's would bring a second team to fight over the cores.
-OPENMP = "-fopenmp"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-_loaded: list = []  # [function or None] once tried
-
-
-def _build() -> ctypes.CDLL | None:
-    if os.environ.get("SEQSERVE_NATIVE_ATTENTION", "1") == "0":
-        logger.info("native decode attention off (SEQSERVE_NATIVE_ATTENTION=0)")
-        return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        logger.info("no C compiler found: half-precision KV is kept in float32 on CPU")
-        return None
-    attempts = [(*CFLAGS, OPENMP), CFLAGS] if _torch_uses_libgomp() else [CFLAGS]
-    detail = ""
-    with tempfile.TemporaryDirectory(prefix="seqserve-") as tmp:
-        for i, flags in enumerate(attempts):
-            lib = Path(tmp) / f"native_attention{i}.so"
-            try:
-                subprocess.run([cc, *flags, "-o", str(lib), str(SOURCE), "-lm"], check=True,
-                               capture_output=True, text=True, timeout=120)
-                # The mapping outlives the file: the directory may go once it is loaded.
-                loaded = ctypes.CDLL(str(lib))
-                logger.info("native decode attention built: %s %s", cc, " ".join(flags))
-                return loaded
-            except (OSError, subprocess.SubprocessError) as exc:
-                detail = str(getattr(exc, "stderr", "") or exc).strip()[:500]
-    logger.warning("could not build the native decode attention (%s); half-precision KV is "
-                   "kept in float32 on CPU", detail)
-    return None
-
-
-def _torch_uses_libgomp() -> bool:
-    try:
-        return "libgomp" in Path("/proc/self/maps").read_text()
-    except OSError:
-        return False
+_loaded: list = []  # [library or None] once tried
 
 
 def kernel() -> ctypes.CDLL | None:
     """The C library, built on first use; None where it cannot be built."""
     if not _loaded:
-        lib = _build()
+        lib = native_build.build(SOURCE, "SEQSERVE_NATIVE_ATTENTION",
+                                 "half-precision KV is kept in float32 on CPU")
         if lib is not None:
             lib.decode_attention_bf16.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I,
                                                   ctypes.c_float, _I, _I]

@@ -1,0 +1,98 @@
+"""The one-pass C norm and rotary embedding against transformers' eager code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.llama import modeling_llama
+
+from tests.conftest import tiny_model
+from worker_service import fused_layers
+from worker_service.engine import Engine, NewSequence
+from worker_service.fixtures import make_model
+from worker_service.model_runner import ModelRunner
+from worker_service.sequence import SamplingParams
+
+
+def bf16_model(arch: str):
+    return make_model(tiny_model(arch).parent / f"tiny-{arch}-bf16", arch=arch, size="tiny",
+                      dtype="bfloat16", seed=0)
+
+
+@pytest.fixture(scope="module")
+def eager_rotary():
+    fused_layers.install(ModelRunner(str(bf16_model("llama")), dtype="bfloat16").model)
+    fn = modeling_llama.apply_rotary_pos_emb
+    assert hasattr(fn, "seqserve_original"), "installing patched the Llama rotary embedding"
+    return fn, fn.seqserve_original
+
+
+@pytest.mark.parametrize("n", [64, 768, 100])
+@pytest.mark.parametrize("rows", [1, 37, 300])
+def test_norm_matches_eager_llama_rmsnorm(n, rows):
+    """Widths with and without a tail past the 16-lane blocks, one row (decoding) to many
+    (over the threshold where it splits rows over threads)."""
+    assert fused_layers.library() is not None, "the test machine has a C compiler"
+    g = torch.Generator().manual_seed(n + rows)
+    norm = modeling_llama.LlamaRMSNorm(n, eps=1e-5).to(torch.bfloat16)
+    norm.weight.data = (torch.randn(n, generator=g) * 0.5 + 1).bfloat16()
+    x = (torch.randn(rows, n, generator=g) * 3).bfloat16()
+    with torch.inference_mode():
+        want = norm(x)
+        assert fused_layers.install(torch.nn.Sequential(norm))[0] == 1
+        got = norm(x)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    # Only the float32 sum of squares runs in another order: a last-bit difference at most.
+    differ = got != want
+    assert differ.float().mean() < 1e-3
+    assert ((got.float() - want.float()).abs() <= want.float().abs() / 128 + 1e-30).all()
+
+
+@pytest.mark.parametrize("dim", [64, 40])
+@pytest.mark.parametrize("tokens", [1, 19, 600])
+def test_rotary_gives_the_eager_bits(eager_rotary, dim, tokens):
+    """Bit-identical to transformers' apply_rotary_pos_emb, for head sizes with and without
+    a tail past the 16-lane blocks, on the transposed views the attention passes in."""
+    fused, eager = eager_rotary
+    g = torch.Generator().manual_seed(dim + tokens)
+    q = torch.randn(1, tokens, 6, dim, generator=g).bfloat16().transpose(1, 2)
+    k = torch.randn(1, tokens, 2, dim, generator=g).bfloat16().transpose(1, 2)
+    cos = torch.randn(1, tokens, dim, generator=g).bfloat16()
+    sin = torch.randn(1, tokens, dim, generator=g).bfloat16()
+    with torch.inference_mode():
+        got, want = fused(q, k, cos, sin), eager(q, k, cos, sin)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # Other dtypes go to the original.
+    got = fused(q.float(), k.float(), cos.float(), sin.float())
+    want = eager(q.float(), k.float(), cos.float(), sin.float())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_install_touches_only_llama_style_code_in_bfloat16_on_cpu():
+    llama = ModelRunner(str(bf16_model("llama")), dtype="bfloat16", prepack=False).model
+    assert fused_layers.install(llama) == (2 * 2 + 1, 1)  # 2 layers x 2 norms + final norm
+    gpt2 = ModelRunner(str(bf16_model("gpt2")), dtype="bfloat16", prepack=False).model
+    assert fused_layers.install(gpt2) == (0, 0)  # LayerNorm, learned positions
+    fp32 = ModelRunner(str(tiny_model("llama")), dtype="float32").model
+    assert fused_layers.install(fp32) == (0, 0)
+
+
+def test_tokens_with_and_without_the_c_loops(monkeypatch):
+    """A bfloat16 model decodes the same greedy tokens, with log-probabilities within
+    float32 noise, through the C loops and through transformers' eager code."""
+    prompts = [[5 + i * 7 + j for j in range(3 + 11 * i)] for i in range(4)]
+    outs = []
+    for on in (True, False):
+        if not on:
+            monkeypatch.setattr(fused_layers, "_loaded", [None])
+        runner = ModelRunner(str(bf16_model("qwen2")), dtype="bfloat16")
+        engine = Engine(runner)
+        steps = [engine.step([], [NewSequence(i, p, 0, SamplingParams(logprobs=0))
+                                  for i, p in enumerate(prompts)], [[0, 1], [2, 3]])]
+        for _ in range(6):
+            steps.append(engine.step([], [], [[0, 1], [2, 3]]))
+        outs.append([sorted((t.seq_id, t.token_id, t.logprob) for t in s.tokens)
+                     for s in steps])
+    for a, b in zip(*outs):
+        assert [(s, t) for s, t, _ in a] == [(s, t) for s, t, _ in b]
+        assert max(abs(x[2] - y[2]) for x, y in zip(a, b)) < 0.02

@@ -1,0 +1,128 @@
+/* Fused elementwise layers of Llama-family models over bfloat16 on CPU.
+ *
+ * Built and loaded at run time by fused_layers.py (native_build.py) (plain C, no torch headers). Eager
+ * PyTorch runs an RMSNorm as seven kernels and a rotary embedding as nine, each a pass
+ * over memory with a dispatch in front; these loops do each in one pass and round to
+ * bfloat16 where the eager code does, so their results match it (the rotary embedding
+ * exactly, the norm up to the order of one float32 sum).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu))
+        return (uint16_t)((bits >> 16) | 0x40); /* quiet NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even, as torch does */
+    return (uint16_t)(bits >> 16);
+}
+
+/* Elements below which a call stays on one thread. */
+#define MIN_PARALLEL 65536
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_AVX512_BF16 1
+
+static inline __m512 load16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* Round 16 floats to bfloat16 (to nearest even, as torch) and widen them back. */
+static inline __m512 round16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+static inline void store16(uint16_t *p, __m512 v) {
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
+}
+#endif
+
+/* y = w * bf16(x * rsqrt(mean(x^2) + eps)) per row of n, as LlamaRMSNorm in bfloat16:
+ * x, y rows x_stride / y_stride elements apart; w [n]. */
+void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows,
+                   int64_t n, int64_t x_stride, int64_t y_stride, float eps) {
+#pragma omp parallel for schedule(static) if (rows * n >= MIN_PARALLEL)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * x_stride;
+        uint16_t *yr = y + r * y_stride;
+        float part[16] = {0.f};
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16)
+            for (int l = 0; l < 16; l++) {
+                const float v = bf16_to_float(xr[i + l]);
+                part[l] += v * v;
+            }
+        float sum = 0.f;
+        for (; i < n; i++) {
+            const float v = bf16_to_float(xr[i]);
+            sum += v * v;
+        }
+        for (int l = 0; l < 16; l++)
+            sum += part[l];
+        const float scale = 1.f / sqrtf(sum / (float)n + eps);
+        i = 0;
+#ifdef HAVE_AVX512_BF16
+        const __m512 sv = _mm512_set1_ps(scale);
+        for (; i + 16 <= n; i += 16)
+            store16(yr + i, _mm512_mul_ps(load16(w + i),
+                                          round16(_mm512_mul_ps(load16(xr + i), sv))));
+#endif
+        for (; i < n; i++) {
+            const float h = bf16_to_float(float_to_bf16(bf16_to_float(xr[i]) * scale));
+            yr[i] = float_to_bf16(bf16_to_float(w[i]) * h);
+        }
+    }
+}
+
+/* As transformers' apply_rotary_pos_emb in bfloat16: x * cos + rotate_half(x) * sin, each
+ * product and the sum rounded to bfloat16. x [heads, tokens, dim] with strides
+ * (head_stride, token_stride, 1); y the same shape, contiguous; cos, sin [tokens, dim]
+ * contiguous. */
+void rotary_bf16(const uint16_t *x, uint16_t *y, const uint16_t *cos, const uint16_t *sin,
+                 int64_t heads, int64_t tokens, int64_t dim, int64_t head_stride,
+                 int64_t token_stride) {
+    const int64_t half = dim / 2;
+#pragma omp parallel for collapse(2) schedule(static) if (heads * tokens * dim >= MIN_PARALLEL)
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t t = 0; t < tokens; t++) {
+            const uint16_t *xr = x + h * head_stride + t * token_stride;
+            uint16_t *yr = y + (h * tokens + t) * dim;
+            const uint16_t *c = cos + t * dim, *s = sin + t * dim;
+            int64_t i = 0;
+#ifdef HAVE_AVX512_BF16
+            for (; i + 16 <= half; i += 16) {
+                const __m512 a = load16(xr + i), b = load16(xr + i + half);
+                const __m512 lo = _mm512_add_ps(
+                    round16(_mm512_mul_ps(a, load16(c + i))),
+                    round16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), b), load16(s + i))));
+                const __m512 hi = _mm512_add_ps(
+                    round16(_mm512_mul_ps(b, load16(c + i + half))),
+                    round16(_mm512_mul_ps(a, load16(s + i + half))));
+                store16(yr + i, lo);
+                store16(yr + i + half, hi);
+            }
+#endif
+            for (; i < half; i++) {
+                const float a = bf16_to_float(xr[i]), b = bf16_to_float(xr[i + half]);
+                /* rotate_half(x) is [-b, a] */
+                const float lo = bf16_to_float(float_to_bf16(a * bf16_to_float(c[i])))
+                    + bf16_to_float(float_to_bf16(-b * bf16_to_float(s[i])));
+                const float hi = bf16_to_float(float_to_bf16(b * bf16_to_float(c[i + half])))
+                    + bf16_to_float(float_to_bf16(a * bf16_to_float(s[i + half])));
+                yr[i] = float_to_bf16(lo);
+                yr[i + half] = float_to_bf16(hi);
+            }
+        }
+}

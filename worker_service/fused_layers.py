@@ -1,0 +1,133 @@
+"""One-pass RMSNorm and rotary embedding for Llama-family models in bfloat16 on CPU.
+
+Eager transformers runs an RMSNorm as seven torch kernels and a rotary embedding as nine,
+each a pass over memory with a dispatch in front; a decoding step of the benchmark model
+runs 17 norms and 8 rotary embeddings. `fused_layers.c` does each in one pass, rounding to
+bfloat16 where the eager code does: the rotary embedding gives the same bits, the norm the
+same up to the order of one float32 sum of squares (a last-bit difference in under 0.1% of
+the values).
+
+Only code known to compute exactly this is replaced: a norm whose `forward` compiles to the
+same bytecode as `LlamaRMSNorm.forward` (Mistral's, Qwen2's and the other copies), and a
+module-level `apply_rotary_pos_emb` (with its `rotate_half`) identical to Llama's. Anything
+else, and any call with other dtypes, devices or shapes, runs the model's own code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import inspect
+import logging
+import sys
+import types
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers.models.llama import modeling_llama as reference
+
+from worker_service import native_build
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("fused_layers.c")
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_loaded: list = []  # [library or None] once tried
+
+
+def library() -> ctypes.CDLL | None:
+    """The C library, built on first use; None where it cannot be built."""
+    if not _loaded:
+        lib = native_build.build(SOURCE, "SEQSERVE_FUSED_LAYERS",
+                                 "norms and rotary embeddings run eagerly")
+        if lib is not None:
+            lib.rms_norm_bf16.argtypes = [_P, _P, _P, _I, _I, _I, _I, ctypes.c_float]
+            lib.rms_norm_bf16.restype = None
+            lib.rotary_bf16.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I]
+            lib.rotary_bf16.restype = None
+        _loaded.append(lib)
+    return _loaded[0]
+
+
+def _same_code(fn, ref) -> bool:
+    """Whether `fn` compiles to the same bytecode as `ref` (docstrings aside)."""
+    a = getattr(inspect.unwrap(fn), "__code__", None)
+    b = getattr(inspect.unwrap(ref), "__code__", None)
+    if a is None or b is None:
+        return False
+    consts = lambda c: tuple(x for x in c.co_consts if not isinstance(x, str))  # noqa: E731
+    return (a.co_code == b.co_code and a.co_names == b.co_names
+            and consts(a) == consts(b))
+
+
+def _fast(*tensors: torch.Tensor) -> bool:
+    """bfloat16 CPU tensors, nothing for autograd to record, and the library loaded."""
+    return ((not torch.is_grad_enabled() or torch.is_inference_mode_enabled())
+            and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
+            and library() is not None)
+
+
+def _rms_norm(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    weight = self.weight
+    n = weight.shape[0]
+    if not _fast(hidden, weight) or hidden.shape[-1] != n or not weight.is_contiguous():
+        return type(self).forward(self, hidden)
+    x = hidden.reshape(-1, n)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    library().rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], n,
+                            x.stride(0), n, float(self.variance_epsilon))
+    return out.view(hidden.shape)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    _, heads, tokens, dim = x.shape
+    y = torch.empty(1, heads, tokens, dim, dtype=torch.bfloat16)
+    library().rotary_bf16(x.data_ptr(), y.data_ptr(), cos.data_ptr(), sin.data_ptr(), heads,
+                          tokens, dim, x.stride(1), x.stride(2))
+    return y
+
+
+def _fused_rotary(original):
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if (unsqueeze_dim == 1 and _fast(q, k, cos, sin) and q.dim() == 4 and k.dim() == 4
+                and cos.dim() == 3 and cos.shape == sin.shape and cos.shape[0] == 1
+                and q.shape[0] == 1 and k.shape[0] == 1
+                and q.shape[2] == k.shape[2] == cos.shape[1]
+                and q.shape[3] == k.shape[3] == cos.shape[2] and cos.shape[2] % 2 == 0
+                and q.stride(-1) == 1 and k.stride(-1) == 1):
+            c, s = cos[0].contiguous(), sin[0].contiguous()
+            return _rotate(q, c, s), _rotate(k, c, s)
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    apply_rotary_pos_emb.seqserve_original = original
+    return apply_rotary_pos_emb
+
+
+def install(model: nn.Module) -> tuple[int, int]:
+    """Route `model`'s Llama-style norms and rotary embeddings through the C loops where it
+    runs in bfloat16 on CPU; returns (norms patched, modeling modules whose rotary
+    embedding now runs the C loop)."""
+    p = next(model.parameters())
+    if p.device.type != "cpu" or p.dtype != torch.bfloat16 or library() is None:
+        return 0, 0
+    norms = 0
+    for module in model.modules():
+        if _same_code(type(module).forward, reference.LlamaRMSNorm.forward):
+            module.forward = types.MethodType(_rms_norm, module)
+            norms += 1
+    modeling = {sys.modules[type(m).__module__] for m in model.modules()}
+    patched = 0
+    for mod in modeling:
+        fn = getattr(mod, "apply_rotary_pos_emb", None)
+        if fn is None or hasattr(fn, "seqserve_original"):
+            patched += fn is not None
+            continue
+        if (_same_code(fn, reference.apply_rotary_pos_emb)
+                and _same_code(getattr(mod, "rotate_half", None), reference.rotate_half)):
+            # Module-wide, as the model's attention looks the function up there; other
+            # models of this family in the process fall through to the original.
+            mod.apply_rotary_pos_emb = _fused_rotary(fn)
+            patched += 1
+    return norms, patched
