@@ -1,6 +1,6 @@
 /* Fused elementwise layers of Llama-family models over bfloat16 on CPU.
  *
- * Built and loaded at run time by fused_layers.py (native_build.py) (plain C, no torch headers). Eager
+ * Built and loaded at run time by fused_layers.py (plain C, no torch headers). Eager
  * PyTorch runs an RMSNorm as seven kernels and a rotary embedding as nine, each a pass
  * over memory with a dispatch in front; these loops do each in one pass and round to
  * bfloat16 where the eager code does, so their results match it (the rotary embedding
@@ -10,34 +10,12 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu))
-        return (uint16_t)((bits >> 16) | 0x40); /* quiet NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even, as torch does */
-    return (uint16_t)(bits >> 16);
-}
+#include "bf16.h"
 
 /* Elements below which a call stays on one thread. */
 #define MIN_PARALLEL 65536
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define HAVE_AVX512_BF16 1
-
-static inline __m512 load16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
+#ifdef HAVE_AVX512_BF16
 /* Round 16 floats to bfloat16 (to nearest even, as torch) and widen them back. */
 static inline __m512 round16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import inspect
-import logging
 import sys
 import types
 from pathlib import Path
@@ -28,24 +27,21 @@ from transformers.models.llama import modeling_llama as reference
 
 from worker_service import native_build
 
-logger = logging.getLogger(__name__)
-
 SOURCE = Path(__file__).with_name("fused_layers.c")
-_P, _I = ctypes.c_void_p, ctypes.c_int64
+_P, _I, _F = native_build.P, native_build.I64, native_build.F32
+FUNCTIONS = {
+    "rms_norm_bf16": ([_P, _P, _P, _I, _I, _I, _I, _F], None),
+    "rotary_bf16": ([_P, _P, _P, _P, _I, _I, _I, _I, _I], None),
+}
 _loaded: list = []  # [library or None] once tried
 
 
 def library() -> ctypes.CDLL | None:
     """The C library, built on first use; None where it cannot be built."""
     if not _loaded:
-        lib = native_build.build(SOURCE, "SEQSERVE_FUSED_LAYERS",
-                                 "norms and rotary embeddings run eagerly")
-        if lib is not None:
-            lib.rms_norm_bf16.argtypes = [_P, _P, _P, _I, _I, _I, _I, ctypes.c_float]
-            lib.rms_norm_bf16.restype = None
-            lib.rotary_bf16.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I]
-            lib.rotary_bf16.restype = None
-        _loaded.append(lib)
+        _loaded.append(native_build.build(SOURCE, "SEQSERVE_FUSED_LAYERS",
+                                          "norms and rotary embeddings run eagerly",
+                                          FUNCTIONS))
     return _loaded[0]
 
 

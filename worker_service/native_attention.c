@@ -18,21 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu))
-        return (uint16_t)((bits >> 16) | 0x40); /* quiet NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even, as torch does */
-    return (uint16_t)(bits >> 16);
-}
+#include "bf16.h"
 
 #define MAX_DIM 512
 /* (row, head) pairs below which a call stays on one thread. */
@@ -83,9 +69,7 @@ static void attend_one_generic(const uint16_t *qh, const uint16_t *kh, const uin
 }
 
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define HAVE_AVX512_BF16 1
+#ifdef HAVE_AVX512_BF16
 
 /* exp(x) for x <= 0 (scores minus their maximum), 16 lanes: x = n ln2 + r, |r| <= ln2 / 2,
  * exp(r) by its degree-6 Taylor polynomial (relative error below 2e-7, about one float32
@@ -127,11 +111,6 @@ static inline __m512 sum16(__m512 a[16]) {
     const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1,
                                            12, 8, 4, 0);
     return _mm512_permutexvar_ps(order, e);
-}
-
-static inline __m512 load_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
 /* attend_one_generic for dim a multiple of 32: query-key products with AVX512-BF16 dot
@@ -200,12 +179,12 @@ attend_one_avx512(const uint16_t *qh, const uint16_t *kh, const uint16_t *vh, ui
             const __m512 p = _mm512_set1_ps(scores[s + u]);
             const uint16_t *vs = vh + (s + u) * dim;
             for (int64_t c = 0; c < vecs; c++)
-                acc[u][c] = _mm512_fmadd_ps(p, load_bf16(vs + c * 16), acc[u][c]);
+                acc[u][c] = _mm512_fmadd_ps(p, load16(vs + c * 16), acc[u][c]);
         }
     for (; s < n; s++) {
         const __m512 p = _mm512_set1_ps(scores[s]);
         for (int64_t c = 0; c < vecs; c++)
-            acc[0][c] = _mm512_fmadd_ps(p, load_bf16(vh + s * dim + c * 16), acc[0][c]);
+            acc[0][c] = _mm512_fmadd_ps(p, load16(vh + s * dim + c * 16), acc[0][c]);
     }
     for (int u = 1; u < ways; u++)
         for (int64_t c = 0; c < vecs; c++)

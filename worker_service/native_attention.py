@@ -24,33 +24,28 @@ half-precision KV in float32 instead (model_runner.resolve_kv_dtype).
 from __future__ import annotations
 
 import ctypes
-import logging
 from pathlib import Path
 
 import torch
 
 from worker_service import native_build
 
-logger = logging.getLogger(__name__)
-
 SOURCE = Path(__file__).with_name("native_attention.c")
-_P, _I = ctypes.c_void_p, ctypes.c_int64
+_P, _I, _F = native_build.P, native_build.I64, native_build.F32
+FUNCTIONS = {
+    "decode_attention_bf16": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _I],
+                              ctypes.c_int),
+    "prompt_attention_bf16": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I], ctypes.c_int),
+}
 _loaded: list = []  # [library or None] once tried
 
 
 def kernel() -> ctypes.CDLL | None:
     """The C library, built on first use; None where it cannot be built."""
     if not _loaded:
-        lib = native_build.build(SOURCE, "SEQSERVE_NATIVE_ATTENTION",
-                                 "half-precision KV is kept in float32 on CPU")
-        if lib is not None:
-            lib.decode_attention_bf16.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I,
-                                                  ctypes.c_float, _I, _I]
-            lib.decode_attention_bf16.restype = ctypes.c_int
-            lib.prompt_attention_bf16.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I,
-                                                  ctypes.c_float, _I]
-            lib.prompt_attention_bf16.restype = ctypes.c_int
-        _loaded.append(lib)
+        _loaded.append(native_build.build(SOURCE, "SEQSERVE_NATIVE_ATTENTION",
+                                          "half-precision KV is kept in float32 on CPU",
+                                          FUNCTIONS))
     return _loaded[0]
 
 
@@ -68,16 +63,12 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_st
     [row_capacity, kv_heads, slots, dim]; row i of the query is buffer row row_start + i
     and attends to its slots below ends[i] (int64, at most max_end), the last `window` of
     them when set. Returns [rows, heads, dim] bfloat16."""
-    query = query.contiguous()
+    query, out, pointers = _operands(query, keys, values, row_start)
     rows, heads, dim = query.shape
-    out = torch.empty_like(query)
-    offset = row_start * keys.stride(0) * keys.element_size()
-    status = kernel().decode_attention_bf16(query.data_ptr(), keys.data_ptr() + offset, values.data_ptr() + offset,
-                      out.data_ptr(), ends.data_ptr(), rows, heads, keys.shape[1], dim,
-                      keys.stride(0), keys.stride(1), scale, window or 0, max_end)
-    if status != 0:
-        raise ValueError(f"native decode attention refused heads={heads} kv_heads="
-                         f"{keys.shape[1]} dim={dim} (status {status})")
+    status = kernel().decode_attention_bf16(
+        *pointers, ends.data_ptr(), rows, heads, keys.shape[1], dim, keys.stride(0),
+        keys.stride(1), scale, window or 0, max_end)
+    _check(status, "decode", query, keys)
     return out
 
 
@@ -86,15 +77,26 @@ def attend_prompt(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     """Causal attention of a prompt's queries [tokens, heads, dim] (bfloat16) at slots
     start, start + 1, ... of buffer row `row`, whose keys and values up to the last of them
     are already written. Returns [tokens, heads, dim] bfloat16."""
-    query = query.contiguous()
+    query, out, pointers = _operands(query, keys, values, row)
     tokens, heads, dim = query.shape
+    status = kernel().prompt_attention_bf16(
+        *pointers, start, tokens, heads, keys.shape[1], dim, keys.stride(1), scale, window or 0)
+    _check(status, "prompt", query, keys)
+    return out
+
+
+def _operands(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row: int):
+    """The contiguous query, its output, and the C call's four pointers (query, the keys
+    and values from buffer row `row` on, output)."""
+    query = query.contiguous()
     out = torch.empty_like(query)
     offset = row * keys.stride(0) * keys.element_size()
-    status = kernel().prompt_attention_bf16(
-        query.data_ptr(), keys.data_ptr() + offset, values.data_ptr() + offset,
-        out.data_ptr(), start, tokens, heads, keys.shape[1], dim, keys.stride(1), scale,
-        window or 0)
+    return query, out, (query.data_ptr(), keys.data_ptr() + offset,
+                        values.data_ptr() + offset, out.data_ptr())
+
+
+def _check(status: int, what: str, query: torch.Tensor, keys: torch.Tensor) -> None:
     if status != 0:
-        raise ValueError(f"native prompt attention refused heads={heads} kv_heads="
-                         f"{keys.shape[1]} dim={dim} (status {status})")
-    return out
+        reason = "out of memory" if status == -2 else "a shape it does not take"
+        raise ValueError(f"native {what} attention refused heads={query.shape[1]} kv_heads="
+                         f"{keys.shape[1]} dim={query.shape[2]}: {reason} (status {status})")

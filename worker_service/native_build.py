@@ -24,9 +24,14 @@ CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 OPENMP = "-fopenmp"
 
 
-def build(source: Path, switch: str, without: str) -> ctypes.CDLL | None:
-    """Compile and load `source`; None if the environment variable `switch` is 0, or no
-    compiler or build works. `without` says, for the log, what the worker does then."""
+Signatures = dict[str, tuple[list, type | None]]  # function -> (argtypes, restype)
+P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float  # pointer, int64_t, float
+
+
+def build(source: Path, switch: str, without: str, functions: Signatures) -> ctypes.CDLL | None:
+    """Compile and load `source` and declare its `functions`; None if the environment
+    variable `switch` is 0, or no compiler or build works. `without` says, for the log,
+    what the worker does then."""
     if os.environ.get(switch, "1") == "0":
         logger.info("%s off (%s=0): %s", source.name, switch, without)
         return None
@@ -44,6 +49,9 @@ def build(source: Path, switch: str, without: str) -> ctypes.CDLL | None:
                                capture_output=True, text=True, timeout=120)
                 # The mapping outlives the file: the directory may go once it is loaded.
                 loaded = ctypes.CDLL(str(lib))
+                for name, (argtypes, restype) in functions.items():
+                    fn = getattr(loaded, name)
+                    fn.argtypes, fn.restype = argtypes, restype
                 logger.info("%s built: %s %s", source.name, cc, " ".join(flags))
                 return loaded
             except (OSError, subprocess.SubprocessError) as exc:
