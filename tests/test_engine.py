@@ -168,6 +168,25 @@ NATIVE_SHAPES = [(4, 4, None, 16), (4, 2, None, 16), (6, 2, 5, 16), (4, 2, None,
                  (6, 2, 5, 128), (2, 1, None, 96)]
 
 
+def test_kv_buffers_skip_the_zero_fill_only_where_the_native_loops_read_them(monkeypatch):
+    """bfloat16 on CPU with the native loops: buffers are left unfilled (only rows' own
+    slots are read); float32, or no native loops (SDPA reads masked padding): zero-filled."""
+    from worker_service import native_attention
+    from worker_service.fixtures import make_model
+    from worker_service.kv_groups import KVGroup
+
+    bf16_dir = make_model(tiny_model("llama").parent / "tiny-llama-bf16", arch="llama",
+                          size="tiny", dtype="bfloat16", seed=0)
+    assert not ModelRunner(str(bf16_dir), dtype="bfloat16").kv_shape.reads_padding
+    assert ModelRunner(str(tiny_model("llama")), dtype="float32").kv_shape.reads_padding
+    monkeypatch.setattr(native_attention, "_loaded", [None])
+    runner = ModelRunner(str(bf16_dir), dtype="bfloat16", kv_dtype="bfloat16")
+    assert runner.kv_shape.reads_padding
+    group = KVGroup(runner.kv_shape)
+    group.ensure_capacity(3, 10)
+    assert all((t == 0).all() for t in group.keys + group.values)
+
+
 @pytest.mark.parametrize("heads,kv_heads,window,dim", NATIVE_SHAPES)
 def test_native_decode_attention_matches_masked_sdpa(heads, kv_heads, window, dim):
     """The C loop against float32 SDPA with the row masks the worker builds: padded rows of

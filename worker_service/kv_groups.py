@@ -32,6 +32,11 @@ class KVShape:
     value_dims: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
+    # Whether attention may read slots past a row's length (masked, as SDPA over a padded
+    # group does): new buffers are then zero-filled, since a masked slot still meets a zero
+    # weight in probs @ values and 0 * NaN from stale memory would be NaN. The native
+    # bfloat16 loops read only each row's own slots, so their buffers skip the fill.
+    reads_padding: bool = True
 
     @property
     def num_layers(self) -> int:
@@ -109,13 +114,12 @@ class KVGroup:
         s = self.shape
         keep_len = min(self.max_length, new_len)
         new_keys, new_values = [], []
+        alloc = torch.zeros if s.reads_padding else torch.empty
         for layer in range(s.num_layers):
-            # Zeroed, not empty: padding slots are masked, but a masked slot still meets
-            # a zero weight in probs @ values, and 0 * NaN from stale memory would be NaN.
-            k = torch.zeros(new_rows, s.key_heads[layer], new_len, s.key_dims[layer],
-                            dtype=s.dtype, device=s.device)
-            v = torch.zeros(new_rows, s.value_heads[layer], new_len, s.value_dims[layer],
-                            dtype=s.dtype, device=s.device)
+            k = alloc(new_rows, s.key_heads[layer], new_len, s.key_dims[layer],
+                      dtype=s.dtype, device=s.device)
+            v = alloc(new_rows, s.value_heads[layer], new_len, s.value_dims[layer],
+                      dtype=s.dtype, device=s.device)
             if self.keys and self.rows:
                 k[: self.rows, :, :keep_len] = self.keys[layer][: self.rows, :, :keep_len]
                 v[: self.rows, :, :keep_len] = self.values[layer][: self.rows, :, :keep_len]

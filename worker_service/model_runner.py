@@ -148,7 +148,14 @@ class ModelRunner:
         return KVShape(
             key_heads=tuple(s[0] for s in layers), key_dims=tuple(s[1] for s in layers),
             value_heads=tuple(s[2] for s in layers), value_dims=tuple(s[3] for s in layers),
-            dtype=self.kv_dtype, device=self.device)
+            dtype=self.kv_dtype, device=self.device, reads_padding=not self._native_reads_only())
+
+    def _native_reads_only(self) -> bool:
+        """Whether every read of the KV buffers goes through the native loops (bfloat16 on
+        CPU), which touch only each row's own slots: decoding and prompts there, and
+        contrastive candidates through SDPA over slots their row has written."""
+        return (self.device.type == "cpu" and self.dtype == torch.bfloat16
+                and self.kv_dtype == torch.bfloat16 and native_attention.kernel() is not None)
 
     @torch.inference_mode()
     def forward(self, batch: PackedBatch) -> torch.Tensor:

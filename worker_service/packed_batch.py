@@ -159,6 +159,8 @@ class PackedBatch:
                         query[0, :, a:b].transpose(0, 1), k_buf, v_buf, seg.row_start,
                         seg.ends, seg.kv_len, scaling, self.sliding_window)
                     continue
+                # SDPA reads the padding of shorter rows (masked): only zero-filled buffers.
+                assert seg.group.shape.reads_padding, "unfilled KV buffers read past rows"
                 # Fold the query heads that share a kv head into the query axis: no kv
                 # head is repeated, and the row's mask broadcasts over them.
                 q = query[0, :, a:b].transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, -1)
