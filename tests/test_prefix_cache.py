@@ -131,3 +131,38 @@ def test_cached_prompt_over_real_processes(llama_dir, deploy):
     assert worker["seqserve_worker_prefix_cache_bytes"] > 0
     sched = scrape(d.metrics_url)
     assert sched["seqserve_prefix_cache_hit_tokens_total"] == sum(r.cached_tokens for r in replies)
+
+
+def test_eviction_keeps_pinned_blocks_and_stops_at_the_first_block_that_does_not_fit():
+    """The victims order and the budget, on a bare cache: unpinned blocks go first, least
+    recently used first; pinned ones only make room for pinned ones; a row whose blocks do
+    not all fit keeps the prefix that does."""
+    import torch
+
+    from worker_service.kv_groups import KVGroup, KVShape
+
+    shape = KVShape((1,), (2,), (1,), (2,), torch.float32, torch.device("cpu"))
+    group = KVGroup(shape)
+    group.add_empty_row(0, 8 * BLOCK)
+    cache = PrefixCache(shape, 6 * BLOCK * shape.bytes_per_token, BLOCK)
+    rng = random.Random(9)
+    a, b, c, d, e = ([rng.randint(3, 999) for _ in range(n * BLOCK)] for n in (4, 4, 4, 8, 4))
+
+    def held(tokens: list[int]) -> int:  # leading blocks cached, without touching them
+        n = 0
+        for _, key, _, _ in cache._chain(tokens, len(tokens) // BLOCK):
+            if key not in cache.blocks:
+                break
+            n += 1
+        return n
+
+    cache.insert(a, group, 0, pin_tokens=2 * BLOCK)  # 2 pinned + 2 plain blocks
+    cache.insert(b, group, 0)  # room from a's plain blocks only
+    assert (held(a), held(b)) == (2, 4)
+    cache.insert(c, group, 0)  # all of b goes, a's pinned blocks stay
+    assert (held(a), held(b), held(c)) == (2, 0, 4)
+    cache.insert(d, group, 0)  # 8 blocks; 4 fit once c is gone: d keeps its first 4
+    assert (held(a), held(c), held(d)) == (2, 0, 4)
+    cache.insert(e, group, 0, pin_tokens=4 * BLOCK)  # pinned; d's plain blocks go first
+    assert (held(a), held(d), held(e)) == (2, 0, 4)
+    assert cache.stats.evictions == 2 + 4 + 4 + 4 and cache.bytes_held == cache.capacity_bytes

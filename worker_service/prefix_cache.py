@@ -107,6 +107,8 @@ class PrefixCache:
             return
         self._clock += 1
         bt = self.block_tokens
+        nbytes = bt * self.shape.bytes_per_token
+        fresh = []
         for b, key, parent, tokens in self._chain(token_ids, len(token_ids) // bt):
             pinned = (b + 1) * bt <= pin_tokens
             block = self.blocks.get(key)
@@ -114,18 +116,25 @@ class PrefixCache:
                 block.last_used = self._clock
                 block.pinned |= pinned
                 continue
-            nbytes = bt * self.shape.bytes_per_token
-            if not self._make_room(nbytes, pinned):
-                return
-            sl = slice(b * bt, (b + 1) * bt)
-            block = Block(
-                key=key, parent=parent, tokens=tokens, depth=b,
-                keys=[group.keys[layer][row, :, sl].clone() for layer in range(self.shape.num_layers)],
-                values=[group.values[layer][row, :, sl].clone() for layer in range(self.shape.num_layers)],
-                nbytes=nbytes, pinned=pinned, last_used=self._clock)
-            self.blocks[key] = block
-            self.bytes_held += nbytes
-            self.stats.inserted_blocks += 1
+            fresh.append((b, key, parent, tokens, pinned))
+        # Room for the row's new blocks at once (the pinned prefix first, which may evict
+        # pinned blocks): one pass over the victims per row, not one per block.
+        for pinned in (True, False):
+            batch = [f for f in fresh if f[4] == pinned]
+            if batch:
+                self._make_room(len(batch) * nbytes, pinned)
+            for b, key, parent, tokens, _ in batch:
+                if self.bytes_held + nbytes > self.capacity_bytes:
+                    return  # a block is no use without its parent: stop at the first miss
+                sl = slice(b * bt, (b + 1) * bt)
+                layers = range(self.shape.num_layers)
+                self.blocks[key] = Block(
+                    key=key, parent=parent, tokens=tokens, depth=b,
+                    keys=[group.keys[layer][row, :, sl].clone() for layer in layers],
+                    values=[group.values[layer][row, :, sl].clone() for layer in layers],
+                    nbytes=nbytes, pinned=pinned, last_used=self._clock)
+                self.bytes_held += nbytes
+                self.stats.inserted_blocks += 1
 
     def _make_room(self, nbytes: int, pinned: bool) -> bool:
         if self.bytes_held + nbytes <= self.capacity_bytes:
