@@ -178,6 +178,11 @@ def test_kv_buffers_skip_the_zero_fill_only_where_the_native_loops_read_them(mon
     bf16_dir = make_model(tiny_model("llama").parent / "tiny-llama-bf16", arch="llama",
                           size="tiny", dtype="bfloat16", seed=0)
     assert not ModelRunner(str(bf16_dir), dtype="bfloat16").kv_shape.reads_padding
+    # Head sizes past the C loops' limit go to SDPA (zero-filled buffers, by the rule above).
+    big = torch.zeros(2, 2, 8, native_attention.MAX_DIM + 64, dtype=torch.bfloat16)
+    assert not native_attention.supports(big[:1, :, :1], big, big)
+    assert native_attention.supports(big[:1, :, :1, :64], big[..., :64].contiguous(),
+                                     big[..., :64].contiguous())
     assert ModelRunner(str(tiny_model("llama")), dtype="float32").kv_shape.reads_padding
     monkeypatch.setattr(native_attention, "_loaded", [None])
     runner = ModelRunner(str(bf16_dir), dtype="bfloat16", kv_dtype="bfloat16")

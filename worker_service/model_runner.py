@@ -145,17 +145,20 @@ class ModelRunner:
         self.base(input_ids=ids, position_ids=ids, attention_mask=mask, past_key_values=probe,
                   use_cache=True)
         layers = [probe.shapes[i] for i in sorted(probe.shapes)]
-        return KVShape(
-            key_heads=tuple(s[0] for s in layers), key_dims=tuple(s[1] for s in layers),
-            value_heads=tuple(s[2] for s in layers), value_dims=tuple(s[3] for s in layers),
-            dtype=self.kv_dtype, device=self.device, reads_padding=not self._native_reads_only())
-
-    def _native_reads_only(self) -> bool:
-        """Whether every read of the KV buffers goes through the native loops (bfloat16 on
-        CPU), which touch only each row's own slots: decoding and prompts there, and
-        contrastive candidates through SDPA over slots their row has written."""
-        return (self.device.type == "cpu" and self.dtype == torch.bfloat16
-                and self.kv_dtype == torch.bfloat16 and native_attention.kernel() is not None)
+        key_heads, key_dims = tuple(s[0] for s in layers), tuple(s[1] for s in layers)
+        value_heads, value_dims = tuple(s[2] for s in layers), tuple(s[3] for s in layers)
+        # Every read of the KV buffers goes through the native loops (bfloat16 on CPU),
+        # which touch only each row's own slots: decoding and prompts there, contrastive
+        # candidates through SDPA over slots their row has written. Then the buffers need
+        # no zero fill.
+        native_only = (self.device.type == "cpu" and self.dtype == torch.bfloat16
+                       and self.kv_dtype == torch.bfloat16
+                       and native_attention.kernel() is not None
+                       and key_dims == value_dims and key_heads == value_heads
+                       and max(key_dims) <= native_attention.MAX_DIM)
+        return KVShape(key_heads=key_heads, key_dims=key_dims, value_heads=value_heads,
+                       value_dims=value_dims, dtype=self.kv_dtype, device=self.device,
+                       reads_padding=not native_only)
 
     @torch.inference_mode()
     def forward(self, batch: PackedBatch) -> torch.Tensor:

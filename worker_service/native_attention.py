@@ -31,6 +31,7 @@ import torch
 from worker_service import native_build
 
 SOURCE = Path(__file__).with_name("native_attention.c")
+MAX_DIM = 512  # the C loops' largest head size (MAX_DIM there)
 _P, _I, _F = native_build.P, native_build.I64, native_build.F32
 FUNCTIONS = {
     "decode_attention_bf16": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _I],
@@ -52,6 +53,7 @@ def kernel() -> ctypes.CDLL | None:
 def supports(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether this query and these KV buffers can take the native path."""
     return (query.device.type == "cpu" and query.dtype == torch.bfloat16
+            and query.shape[-1] == keys.shape[-1] <= MAX_DIM
             and keys.dtype == torch.bfloat16 and keys.is_contiguous()
             and values.shape == keys.shape and values.is_contiguous()
             and kernel() is not None)
