@@ -147,15 +147,15 @@ class ModelRunner:
         layers = [probe.shapes[i] for i in sorted(probe.shapes)]
         key_heads, key_dims = tuple(s[0] for s in layers), tuple(s[1] for s in layers)
         value_heads, value_dims = tuple(s[2] for s in layers), tuple(s[3] for s in layers)
-        # Every read of the KV buffers goes through the native loops (bfloat16 on CPU),
-        # which touch only each row's own slots: decoding and prompts there, contrastive
-        # candidates through SDPA over slots their row has written. Then the buffers need
-        # no zero fill.
-        native_only = (self.device.type == "cpu" and self.dtype == torch.bfloat16
-                       and self.kv_dtype == torch.bfloat16
-                       and native_attention.kernel() is not None
-                       and key_dims == value_dims and key_heads == value_heads
-                       and max(key_dims) <= native_attention.MAX_DIM)
+        # Buffers need no zero fill when every read of them goes through the native
+        # loops, which touch only each row's own slots (decoding and prompts; contrastive
+        # candidates go through SDPA over slots their row has written). Asked of the same
+        # predicate attention uses, on empty tensors of each layer's shapes.
+        native_only = all(native_attention.supports(
+            torch.empty(1, 1, 1, kd, dtype=self.dtype, device=self.device),
+            torch.empty(1, kh, 1, kd, dtype=self.kv_dtype, device=self.device),
+            torch.empty(1, vh, 1, vd, dtype=self.kv_dtype, device=self.device))
+            for kh, kd, vh, vd in layers)
         return KVShape(key_heads=key_heads, key_dims=key_dims, value_heads=value_heads,
                        value_dims=value_dims, dtype=self.kv_dtype, device=self.device,
                        reads_padding=not native_only)
