@@ -113,7 +113,7 @@ static inline __m512 sum16(__m512 a[16]) {
     return _mm512_permutexvar_ps(order, e);
 }
 
-/* attend_one_generic for dim a multiple of 32: query-key products with AVX512-BF16 dot
+/* As attend_one_generic, for dim a multiple of 32: query-key products with AVX512-BF16 dot
  * instructions (exact bfloat16 products, float32 sums), 16 slots at a time; the
  * probabilities stay float32 for the weighted sum of values. */
 static inline __attribute__((always_inline)) void
@@ -218,15 +218,31 @@ static void attend_one(const uint16_t *qh, const uint16_t *kh, const uint16_t *v
 #endif
 }
 
-/* Returns 0, or -1 for a shape it does not take, -2 when memory ran out. Parallel over
- * (row, head) pairs with OpenMP when built with -fopenmp: the library then shares
- * torch's OpenMP runtime (same libgomp.so.1, already loaded), so the threads are torch's
- * own team, not a second set competing for the cores. */
-int decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                          uint16_t *out, const int64_t *lengths, int64_t rows,
-                          int64_t heads, int64_t kv_heads, int64_t dim,
-                          int64_t row_stride, int64_t head_stride, float scale,
-                          int64_t window, int64_t max_len) {
+/* Pair `pair` = (row r, head h): its query against its row's keys and values, below
+ * lengths[r], or below start + r + 1 for a prompt (lengths NULL). */
+static inline void attend_pair(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                               uint16_t *out, const int64_t *lengths, int64_t start,
+                               int64_t pair, int64_t heads, int64_t group, int64_t dim,
+                               int64_t row_stride, int64_t head_stride, float scale,
+                               int64_t window, float *scores) {
+    const int64_t r = pair / heads, h = pair % heads;
+    const int64_t at = r * row_stride + (h / group) * head_stride;
+    attend_one(q + pair * dim, k + at, v + at, out + pair * dim,
+               lengths ? lengths[r] : start + r + 1, dim, scale, window, scores);
+}
+
+/* Each (row, head) pair of q attends through attend_one, split over torch's OpenMP team
+ * when built with -fopenmp (the library then shares torch's runtime, the same
+ * libgomp.so.1 already loaded, so the threads are torch's own team, not a second set
+ * competing for the cores). Row r's keys start r * row_stride in, and it attends below
+ * lengths[r] or, for a prompt (lengths NULL), below start + r + 1. Decoding rows of a
+ * group have similar lengths and take static shares; a prompt's later queries read more
+ * slots, so its pairs are dealt out in small chunks. Returns 0, or -1 for a shape it does
+ * not take, -2 when memory ran out. */
+static int attend_pairs(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                        uint16_t *out, const int64_t *lengths, int64_t start, int64_t rows,
+                        int64_t heads, int64_t kv_heads, int64_t dim, int64_t row_stride,
+                        int64_t head_stride, float scale, int64_t window, int64_t max_len) {
     if (dim > MAX_DIM || kv_heads <= 0 || heads % kv_heads)
         return -1;
     const int64_t pairs = rows * heads, group = heads / kv_heads;
@@ -238,48 +254,42 @@ int decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
 #pragma omp atomic write
             status = -2;
         }
+        if (lengths) {
 #pragma omp for schedule(static)
-        for (int64_t pair = 0; pair < pairs; pair++)
-            if (scores)
-            {
-                const int64_t r = pair / heads, h = pair % heads;
-                const int64_t at = r * row_stride + (h / group) * head_stride;
-                attend_one(q + pair * dim, k + at, v + at, out + pair * dim, lengths[r], dim,
-                           scale, window, scores);
-            }
+            for (int64_t pair = 0; pair < pairs; pair++)
+                if (scores)
+                    attend_pair(q, k, v, out, lengths, start, pair, heads, group, dim,
+                                row_stride, head_stride, scale, window, scores);
+        } else {
+#pragma omp for schedule(dynamic, 8)
+            for (int64_t pair = 0; pair < pairs; pair++)
+                if (scores)
+                    attend_pair(q, k, v, out, lengths, start, pair, heads, group, dim,
+                                row_stride, head_stride, scale, window, scores);
+        }
         free(scores);
     }
     return status;
 }
 
+/* Decoding: one query per row of a group, row r attending below lengths[r] (at most
+ * max_len). */
+int decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                          uint16_t *out, const int64_t *lengths, int64_t rows,
+                          int64_t heads, int64_t kv_heads, int64_t dim,
+                          int64_t row_stride, int64_t head_stride, float scale,
+                          int64_t window, int64_t max_len) {
+    return attend_pairs(q, k, v, out, lengths, 0, rows, heads, kv_heads, dim, row_stride,
+                        head_stride, scale, window, max_len);
+}
+
 /* Prompt attention over one row: query i (of `tokens`, at slot start + i) attends to slots
  * up to its own, which the caller has already written. Layout as above with q and out
- * [tokens, heads, dim] and k, v pointing at the row. Pairs are dealt out in small chunks,
- * as later queries read more slots. */
+ * [tokens, heads, dim] and k, v pointing at the row. */
 int prompt_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                           uint16_t *out, int64_t start, int64_t tokens, int64_t heads,
                           int64_t kv_heads, int64_t dim, int64_t head_stride, float scale,
                           int64_t window) {
-    if (dim > MAX_DIM || kv_heads <= 0 || heads % kv_heads)
-        return -1;
-    const int64_t pairs = tokens * heads, group = heads / kv_heads;
-    int status = 0;
-#pragma omp parallel if (pairs >= 2 * MIN_PAIRS_PER_THREAD)
-    {
-        float *scores = malloc(sizeof(float) * (size_t)(start + tokens + 16));
-        if (!scores) {
-#pragma omp atomic write
-            status = -2;
-        }
-#pragma omp for schedule(dynamic, 8)
-        for (int64_t pair = 0; pair < pairs; pair++)
-            if (scores) {
-                const int64_t i = pair / heads, h = pair % heads;
-                const int64_t at = (h / group) * head_stride;
-                attend_one(q + pair * dim, k + at, v + at, out + pair * dim, start + i + 1,
-                           dim, scale, window, scores);
-            }
-        free(scores);
-    }
-    return status;
+    return attend_pairs(q, k, v, out, NULL, start, tokens, heads, kv_heads, dim, 0,
+                        head_stride, scale, window, start + tokens);
 }
