@@ -237,7 +237,7 @@ class IterationLoop:
 
     def _observe(self, plan: StepPlan, response, plan_s: float, rpc_s: float, post_s: float):
         m = self.metrics
-        worker_s = response.timings.total_seconds
+        worker_s = response.worker_seconds
         m.step_time.labels("plan").observe(plan_s)
         m.step_time.labels("worker").observe(worker_s)
         m.step_time.labels("rpc").observe(max(rpc_s - worker_s, 0.0))

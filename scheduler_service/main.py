@@ -12,8 +12,9 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from scheduler_service import auth
+from seqserve_common import tls
 from scheduler_service.http_api import InvocationsApp
-from scheduler_service.config import (ConfigError, ServingConfig, process_arguments,
+from seqserve_common.config import (ConfigError, ServingConfig, process_arguments,
                                       write_port_file)
 from scheduler_service.loop import IterationLoop
 from scheduler_service.metrics import SchedulerMetrics
@@ -25,16 +26,17 @@ from seqserve.v1 import generate_pb2
 
 logger = logging.getLogger("seqserve.scheduler")
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-MAX_MESSAGE_BYTES = 4 << 20
+# Public requests are one prompt each; gRPC's default of 4 MiB is plenty.
+PUBLIC_MESSAGE_BYTES = 4 << 20
 
 
-def load_security(cfg: ServingConfig) -> tuple[auth.TlsFiles | None, auth.TlsFiles | None]:
+def load_security(cfg: ServingConfig) -> tuple[tls.TlsFiles | None, tls.TlsFiles | None]:
     """(public TLS, worker mutual TLS); ConfigError names the keys of a bad setting."""
-    return auth.public_tls(cfg), auth.worker_tls(cfg)
+    return tls.public_tls(cfg), tls.worker_tls(cfg)
 
 
 async def serve(cfg: ServingConfig, port_file: str | None,
-                security: tuple[auth.TlsFiles | None, auth.TlsFiles | None] | None = None) -> int:
+                security: tuple[tls.TlsFiles | None, tls.TlsFiles | None] | None = None) -> int:
     from transformers import AutoTokenizer
 
     public_tls, worker_tls = security if security is not None else load_security(cfg)
@@ -43,8 +45,8 @@ async def serve(cfg: ServingConfig, port_file: str | None,
     health_servicer = health.aio.HealthServicer()
     interceptors = [auth.BearerTokenInterceptor(cfg.auth_token)] if cfg.auth_token else []
     server = grpc.aio.server(interceptors=interceptors,
-                             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+                             options=[("grpc.max_receive_message_length", PUBLIC_MESSAGE_BYTES),
+                                      ("grpc.max_send_message_length", PUBLIC_MESSAGE_BYTES)])
     add_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME,

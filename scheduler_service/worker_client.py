@@ -8,10 +8,10 @@ import time
 
 import grpc
 
+from seqserve_common.control_channel import GRPC_MESSAGE_OPTIONS
 from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
-MAX_MESSAGE_BYTES = 64 << 20
 
 
 class WorkerUnavailable(RuntimeError):
@@ -60,12 +60,11 @@ class StepStream:
 
 class WorkerClient:
     def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None):
-        """`credentials`: grpc.ssl_channel_credentials for mutual TLS (auth.TlsFiles
+        """`credentials`: grpc.ssl_channel_credentials for mutual TLS (seqserve_common.tls.TlsFiles
         .channel_credentials()); None: a plaintext channel."""
         self.address = address
         options = [
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            *GRPC_MESSAGE_OPTIONS,
             # Reconnect quickly to a restarted worker instead of gRPC's backoff of minutes.
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
@@ -92,8 +91,8 @@ class WorkerClient:
                 info = await self.stub.Info(worker_pb2.InfoRequest(), timeout=2)
                 await self.reset()
                 self.info = info
-                logger.info("worker %s ready: %s (%s, %s), instance %s", self.address,
-                            info.model_id, info.dtype, info.device, info.instance_id[:8])
+                logger.info("worker %s ready: %s (%s, %s)", self.address,
+                            info.model_id, info.dtype, info.device)
                 return info
             except grpc.aio.AioRpcError as exc:
                 now = time.monotonic()

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from scheduler_service.config import ConfigError, load_config, parse_properties
+from seqserve_common.config import ConfigError, load_config, parse_properties
 
 SEED_EXAMPLE = """\
 # serving.properties

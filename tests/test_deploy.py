@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_service.config import load_config
+from seqserve_common.config import load_config
 from scheduler_service.metrics import SchedulerMetrics
 from worker_service.metrics import WorkerMetrics
 

@@ -26,8 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import AsyncClient, Client
 from client import cli
-from scheduler_service import auth
-from scheduler_service.config import ConfigError, ServingConfig, load_config
+from seqserve_common import tls
+from seqserve_common.config import ConfigError, ServingConfig, load_config
 from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.conftest import REPO, Deployment, health_status
 
@@ -144,7 +144,7 @@ def test_defaults_are_safe():
     assert cfg.host == "127.0.0.1"
     assert cfg.trust_remote_code is False
     assert cfg.auth_token == "" and cfg.tls_cert_file == "" and cfg.worker_tls_cert_file == ""
-    assert auth.public_tls(cfg) is None and auth.worker_tls(cfg) is None
+    assert tls.public_tls(cfg) is None and tls.worker_tls(cfg) is None
     assert ServingConfig().host == "127.0.0.1" and ServingConfig().trust_remote_code is False
 
 
@@ -155,24 +155,24 @@ def test_token_from_environment_is_not_in_repr():
 
 
 @pytest.mark.parametrize("which, options, words", [
-    (auth.public_tls, {"tls_cert_file": "server.pem"}, ["option.tls_cert_file",
+    (tls.public_tls, {"tls_cert_file": "server.pem"}, ["option.tls_cert_file",
                                                         "option.tls_key_file"]),
-    (auth.public_tls, {"tls_key_file": "server.key"}, ["option.tls_key_file",
+    (tls.public_tls, {"tls_key_file": "server.key"}, ["option.tls_key_file",
                                                        "option.tls_cert_file"]),
-    (auth.public_tls, {"tls_client_ca_file": "ca.pem"}, ["option.tls_client_ca_file",
+    (tls.public_tls, {"tls_client_ca_file": "ca.pem"}, ["option.tls_client_ca_file",
                                                          "option.tls_cert_file"]),
-    (auth.worker_tls, {"worker_tls_cert_file": "client.pem"},
+    (tls.worker_tls, {"worker_tls_cert_file": "client.pem"},
      ["option.worker_tls_cert_file", "option.worker_tls_key_file"]),
-    (auth.worker_tls, {"worker_tls_key_file": "client.key"},
+    (tls.worker_tls, {"worker_tls_key_file": "client.key"},
      ["option.worker_tls_key_file", "option.worker_tls_cert_file"]),
-    (auth.worker_tls, {"worker_tls_cert_file": "client.pem", "worker_tls_key_file": "client.key"},
+    (tls.worker_tls, {"worker_tls_cert_file": "client.pem", "worker_tls_key_file": "client.key"},
      ["option.worker_tls_ca_file"]),
-    (auth.worker_tls, {"worker_tls_cert_file": "client.pem", "worker_tls_key_file": "server.key",
+    (tls.worker_tls, {"worker_tls_cert_file": "client.pem", "worker_tls_key_file": "server.key",
                        "worker_tls_ca_file": "ca.pem"},
      ["option.worker_tls_cert_file", "option.worker_tls_key_file", "client.pem"]),
-    (auth.public_tls, {"tls_cert_file": "server.pem", "tls_key_file": "missing.key"},
+    (tls.public_tls, {"tls_cert_file": "server.pem", "tls_key_file": "missing.key"},
      ["option.tls_key_file", "missing.key", "no such file"]),
-    (auth.public_tls, {"tls_cert_file": "server.pem", "tls_key_file": "server.key",
+    (tls.public_tls, {"tls_cert_file": "server.pem", "tls_key_file": "server.key",
                        "tls_client_ca_file": "server.ext"},
      ["option.tls_client_ca_file", "server.ext", "not a PEM file"]),
 ])
@@ -190,7 +190,7 @@ def test_good_tls_configuration_loads(certs):
                         worker_tls_cert_file=certs["client.pem"],
                         worker_tls_key_file=certs["client.key"],
                         worker_tls_ca_file=certs["ca.pem"])
-    pub, wrk = auth.public_tls(cfg), auth.worker_tls(cfg)
+    pub, wrk = tls.public_tls(cfg), tls.worker_tls(cfg)
     assert pub.ca is None and pub.cert_chain.startswith(b"-----BEGIN")
     assert wrk.ca == _read(certs["ca.pem"])
     pub.server_ssl_context()

@@ -12,13 +12,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from scheduler_service.auth import worker_tls
-from scheduler_service.config import ConfigError, process_arguments, write_port_file
+from seqserve_common.tls import worker_tls
+from seqserve_common.control_channel import GRPC_MESSAGE_OPTIONS
+from seqserve_common.config import ConfigError, process_arguments, write_port_file
 from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger("seqserve.worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-MAX_MESSAGE_BYTES = 64 << 20
 # Host memory mapped at start for KV buffers (at most option.kv_cache_bytes): the first
 # burst's groups then reuse mapped pages. On the mid benchmark model with float32 KV (the
 # CPU fallback without the native decoding loop) the issue-7 burst of 64 requests peaked
@@ -62,9 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     compute = MainThreadExecutor()
     servicer = WorkerServicer(cfg.kv_cache_bytes, metrics, compute)
     health_servicer = health.HealthServicer()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
+                         options=list(GRPC_MESSAGE_OPTIONS))
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME,

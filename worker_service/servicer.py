@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import uuid
 from concurrent.futures import Executor, Future
 
 import grpc
@@ -35,7 +34,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # The server answers (liveness) while the model loads; until `attach` the model
         # RPCs say UNAVAILABLE and health says NOT_SERVING.
         self.engine: Engine | None = None
-        self.instance_id = uuid.uuid4().hex
         self.kv_cache_bytes = kv_cache_bytes
         self.kv_capacity_tokens = 0
         self.metrics = metrics
@@ -58,16 +56,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def Info(self, request, context):
         engine = self._ready(context)
         f = engine.runner.facts
-        pc = engine.prefix_cache
         return worker_pb2.InfoResponse(
             model_id=f.model_id, architecture=f.architecture, vocab_size=f.vocab_size,
             eos_token_ids=list(f.eos_token_ids), max_position_embeddings=f.max_position_embeddings,
             dtype=f.dtype, device=f.device,
-            kv_bytes_per_token=engine.runner.kv_shape.bytes_per_token,
-            kv_capacity_tokens=self.kv_capacity_tokens, instance_id=self.instance_id,
-            num_layers=engine.runner.kv_shape.num_layers,
-            prefix_cache_capacity_bytes=pc.capacity_bytes if pc is not None and pc.enabled else 0,
-            prefix_block_tokens=pc.block_tokens if pc is not None else 0)
+            kv_capacity_tokens=self.kv_capacity_tokens)
 
     def Reset(self, request, context):
         engine = self._ready(context)
@@ -75,17 +68,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._generation += 1
             self._compute.submit(engine.reset).result()
         logger.info("reset: all sequences dropped")
-        return worker_pb2.ResetResponse(instance_id=self.instance_id)
-
-    def Step(self, request, context):
-        engine = self._ready(context)
-        with self._lock:
-            future = self._submit(engine, request)
-            try:
-                result = future.result()
-            except StepError as exc:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        return self._response(request, result)
+        return worker_pb2.ResetResponse()
 
     def Steps(self, request_iterator, context):
         """Steps in the order they arrive, each queued for the compute thread as soon as it
@@ -139,9 +122,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             tokens.append(msg)
         return worker_pb2.StepResponse(
             step_id=request.step_id, tokens=tokens,
-            timings=worker_pb2.StepTimings(
-                forward_seconds=result.forward_seconds, sampling_seconds=result.sampling_seconds,
-                regroup_seconds=result.regroup_seconds, total_seconds=result.total_seconds),
             regroup_bytes=result.regroup_bytes, kv_slots=result.kv_slots,
-            kv_tokens=result.kv_tokens, instance_id=self.instance_id,
-            prefix_cache_bytes=result.prefix_cache_bytes)
+            kv_tokens=result.kv_tokens, prefix_cache_bytes=result.prefix_cache_bytes,
+            worker_seconds=result.total_seconds)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fseqserve/worker/v1/worker.proto\x12\x12seqserve.worker.v1\"\r\n\x0bInfoRequest\"\xc4\x02\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x1f\n\x17max_position_embeddings\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x1a\n\x12kv_bytes_per_token\x18\x08 \x01(\x04\x12\x1a\n\x12kv_capacity_tokens\x18\t \x01(\x04\x12\x13\n\x0binstance_id\x18\n \x01(\t\x12\x12\n\nnum_layers\x18\x0b \x01(\r\x12#\n\x1bprefix_cache_capacity_bytes\x18\x0c \x01(\x04\x12\x1b\n\x13prefix_block_tokens\x18\r \x01(\r\"\xb8\x02\n\x0eSamplingParams\x12=\n\x08strategy\x18\x01 \x01(\x0e\x32+.seqserve.worker.v1.SamplingParams.Strategy\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\x11\n\ttypical_p\x18\x05 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x01\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x15\n\rpenalty_alpha\x18\x08 \x01(\x01\x12\x10\n\x08logprobs\x18\t \x01(\x05\"N\n\x08Strategy\x12\x13\n\x0fSTRATEGY_GREEDY\x10\x00\x12\x13\n\x0fSTRATEGY_SAMPLE\x10\x01\x12\x18\n\x14STRATEGY_CONTRASTIVE\x10\x02\"\x94\x01\n\x0bNewSequence\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rnum_generated\x18\x03 \x01(\r\x12\x32\n\x06params\x18\x04 \x01(\x0b\x32\".seqserve.worker.v1.SamplingParams\x12\x12\n\npin_tokens\x18\x05 \x01(\r\"\x1d\n\x05Group\x12\x14\n\x0csequence_ids\x18\x01 \x03(\x04\"\x8c\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07release\x18\x02 \x03(\x04\x12\x30\n\x07prefill\x18\x03 \x03(\x0b\x32\x1f.seqserve.worker.v1.NewSequence\x12)\n\x06groups\x18\x04 \x03(\x0b\x32\x19.seqserve.worker.v1.Group\")\n\nTopLogprob\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"\xa5\x01\n\rSequenceToken\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x14\n\x07logprob\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x34\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1e.seqserve.worker.v1.TopLogprob\x12\x15\n\rcached_tokens\x18\x05 \x01(\rB\n\n\x08_logprob\"p\n\x0bStepTimings\x12\x17\n\x0f\x66orward_seconds\x18\x01 \x01(\x01\x12\x18\n\x10sampling_seconds\x18\x02 \x01(\x01\x12\x17\n\x0fregroup_seconds\x18\x03 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x04 \x01(\x01\"\xf1\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x31\n\x06tokens\x18\x02 \x03(\x0b\x32!.seqserve.worker.v1.SequenceToken\x12\x30\n\x07timings\x18\x03 \x01(\x0b\x32\x1f.seqserve.worker.v1.StepTimings\x12\x15\n\rregroup_bytes\x18\x04 \x01(\x04\x12\x10\n\x08kv_slots\x18\x05 \x01(\x04\x12\x11\n\tkv_tokens\x18\x06 \x01(\x04\x12\x13\n\x0binstance_id\x18\x07 \x01(\t\x12\x1a\n\x12prefix_cache_bytes\x18\x08 \x01(\x04\"\x0e\n\x0cResetRequest\"$\n\rResetResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t2\xbc\x02\n\x06Worker\x12I\n\x04Info\x12\x1f.seqserve.worker.v1.InfoRequest\x1a .seqserve.worker.v1.InfoResponse\x12I\n\x04Step\x12\x1f.seqserve.worker.v1.StepRequest\x1a .seqserve.worker.v1.StepResponse\x12N\n\x05Steps\x12\x1f.seqserve.worker.v1.StepRequest\x1a .seqserve.worker.v1.StepResponse(\x01\x30\x01\x12L\n\x05Reset\x12 .seqserve.worker.v1.ResetRequest\x1a!.seqserve.worker.v1.ResetResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fseqserve/worker/v1/worker.proto\x12\x12seqserve.worker.v1\"\r\n\x0bInfoRequest\"\xdb\x01\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x1f\n\x17max_position_embeddings\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x1a\n\x12kv_capacity_tokens\x18\t \x01(\x04J\x04\x08\x08\x10\tJ\x04\x08\n\x10\x0bJ\x04\x08\x0b\x10\x0cJ\x04\x08\x0c\x10\rJ\x04\x08\r\x10\x0e\"\xb8\x02\n\x0eSamplingParams\x12=\n\x08strategy\x18\x01 \x01(\x0e\x32+.seqserve.worker.v1.SamplingParams.Strategy\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\x11\n\ttypical_p\x18\x05 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x01\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x15\n\rpenalty_alpha\x18\x08 \x01(\x01\x12\x10\n\x08logprobs\x18\t \x01(\x05\"N\n\x08Strategy\x12\x13\n\x0fSTRATEGY_GREEDY\x10\x00\x12\x13\n\x0fSTRATEGY_SAMPLE\x10\x01\x12\x18\n\x14STRATEGY_CONTRASTIVE\x10\x02\"\x94\x01\n\x0bNewSequence\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rnum_generated\x18\x03 \x01(\r\x12\x32\n\x06params\x18\x04 \x01(\x0b\x32\".seqserve.worker.v1.SamplingParams\x12\x12\n\npin_tokens\x18\x05 \x01(\r\"\x1d\n\x05Group\x12\x14\n\x0csequence_ids\x18\x01 \x03(\x04\"\x8c\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07release\x18\x02 \x03(\x04\x12\x30\n\x07prefill\x18\x03 \x03(\x0b\x32\x1f.seqserve.worker.v1.NewSequence\x12)\n\x06groups\x18\x04 \x03(\x0b\x32\x19.seqserve.worker.v1.Group\")\n\nTopLogprob\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"\xa5\x01\n\rSequenceToken\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x14\n\x07logprob\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x34\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1e.seqserve.worker.v1.TopLogprob\x12\x15\n\rcached_tokens\x18\x05 \x01(\rB\n\n\x08_logprob\"\xce\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x31\n\x06tokens\x18\x02 \x03(\x0b\x32!.seqserve.worker.v1.SequenceToken\x12\x15\n\rregroup_bytes\x18\x04 \x01(\x04\x12\x10\n\x08kv_slots\x18\x05 \x01(\x04\x12\x11\n\tkv_tokens\x18\x06 \x01(\x04\x12\x1a\n\x12prefix_cache_bytes\x18\x08 \x01(\x04\x12\x16\n\x0eworker_seconds\x18\t \x01(\x01J\x04\x08\x03\x10\x04J\x04\x08\x07\x10\x08\"\x0e\n\x0cResetRequest\"\x15\n\rResetResponseJ\x04\x08\x01\x10\x02\x32\xf1\x01\n\x06Worker\x12I\n\x04Info\x12\x1f.seqserve.worker.v1.InfoRequest\x1a .seqserve.worker.v1.InfoResponse\x12N\n\x05Steps\x12\x1f.seqserve.worker.v1.StepRequest\x1a .seqserve.worker.v1.StepResponse(\x01\x30\x01\x12L\n\x05Reset\x12 .seqserve.worker.v1.ResetRequest\x1a!.seqserve.worker.v1.ResetResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,29 +34,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFOREQUEST']._serialized_start=55
   _globals['_INFOREQUEST']._serialized_end=68
   _globals['_INFORESPONSE']._serialized_start=71
-  _globals['_INFORESPONSE']._serialized_end=395
-  _globals['_SAMPLINGPARAMS']._serialized_start=398
-  _globals['_SAMPLINGPARAMS']._serialized_end=710
-  _globals['_SAMPLINGPARAMS_STRATEGY']._serialized_start=632
-  _globals['_SAMPLINGPARAMS_STRATEGY']._serialized_end=710
-  _globals['_NEWSEQUENCE']._serialized_start=713
-  _globals['_NEWSEQUENCE']._serialized_end=861
-  _globals['_GROUP']._serialized_start=863
-  _globals['_GROUP']._serialized_end=892
-  _globals['_STEPREQUEST']._serialized_start=895
-  _globals['_STEPREQUEST']._serialized_end=1035
-  _globals['_TOPLOGPROB']._serialized_start=1037
-  _globals['_TOPLOGPROB']._serialized_end=1078
-  _globals['_SEQUENCETOKEN']._serialized_start=1081
-  _globals['_SEQUENCETOKEN']._serialized_end=1246
-  _globals['_STEPTIMINGS']._serialized_start=1248
-  _globals['_STEPTIMINGS']._serialized_end=1360
-  _globals['_STEPRESPONSE']._serialized_start=1363
-  _globals['_STEPRESPONSE']._serialized_end=1604
-  _globals['_RESETREQUEST']._serialized_start=1606
-  _globals['_RESETREQUEST']._serialized_end=1620
-  _globals['_RESETRESPONSE']._serialized_start=1622
-  _globals['_RESETRESPONSE']._serialized_end=1658
-  _globals['_WORKER']._serialized_start=1661
-  _globals['_WORKER']._serialized_end=1977
+  _globals['_INFORESPONSE']._serialized_end=290
+  _globals['_SAMPLINGPARAMS']._serialized_start=293
+  _globals['_SAMPLINGPARAMS']._serialized_end=605
+  _globals['_SAMPLINGPARAMS_STRATEGY']._serialized_start=527
+  _globals['_SAMPLINGPARAMS_STRATEGY']._serialized_end=605
+  _globals['_NEWSEQUENCE']._serialized_start=608
+  _globals['_NEWSEQUENCE']._serialized_end=756
+  _globals['_GROUP']._serialized_start=758
+  _globals['_GROUP']._serialized_end=787
+  _globals['_STEPREQUEST']._serialized_start=790
+  _globals['_STEPREQUEST']._serialized_end=930
+  _globals['_TOPLOGPROB']._serialized_start=932
+  _globals['_TOPLOGPROB']._serialized_end=973
+  _globals['_SEQUENCETOKEN']._serialized_start=976
+  _globals['_SEQUENCETOKEN']._serialized_end=1141
+  _globals['_STEPRESPONSE']._serialized_start=1144
+  _globals['_STEPRESPONSE']._serialized_end=1350
+  _globals['_RESETREQUEST']._serialized_start=1352
+  _globals['_RESETREQUEST']._serialized_end=1366
+  _globals['_RESETRESPONSE']._serialized_start=1368
+  _globals['_RESETRESPONSE']._serialized_end=1389
+  _globals['_WORKER']._serialized_start=1392
+  _globals['_WORKER']._serialized_end=1633
 # @@protoc_insertion_point(module_scope)

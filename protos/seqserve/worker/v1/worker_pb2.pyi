@@ -12,7 +12,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "eos_token_ids", "max_position_embeddings", "dtype", "device", "kv_bytes_per_token", "kv_capacity_tokens", "instance_id", "num_layers", "prefix_cache_capacity_bytes", "prefix_block_tokens")
+    __slots__ = ("model_id", "architecture", "vocab_size", "eos_token_ids", "max_position_embeddings", "dtype", "device", "kv_capacity_tokens")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -20,12 +20,7 @@ class InfoResponse(_message.Message):
     MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
-    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
-    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
-    PREFIX_CACHE_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
-    PREFIX_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -33,13 +28,8 @@ class InfoResponse(_message.Message):
     max_position_embeddings: int
     dtype: str
     device: str
-    kv_bytes_per_token: int
     kv_capacity_tokens: int
-    instance_id: str
-    num_layers: int
-    prefix_cache_capacity_bytes: int
-    prefix_block_tokens: int
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., instance_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., prefix_cache_capacity_bytes: _Optional[int] = ..., prefix_block_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("strategy", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "seed", "penalty_alpha", "logprobs")
@@ -125,44 +115,28 @@ class SequenceToken(_message.Message):
     cached_tokens: int
     def __init__(self, sequence_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
-class StepTimings(_message.Message):
-    __slots__ = ("forward_seconds", "sampling_seconds", "regroup_seconds", "total_seconds")
-    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    SAMPLING_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    REGROUP_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    forward_seconds: float
-    sampling_seconds: float
-    regroup_seconds: float
-    total_seconds: float
-    def __init__(self, forward_seconds: _Optional[float] = ..., sampling_seconds: _Optional[float] = ..., regroup_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
-
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "tokens", "timings", "regroup_bytes", "kv_slots", "kv_tokens", "instance_id", "prefix_cache_bytes")
+    __slots__ = ("step_id", "tokens", "regroup_bytes", "kv_slots", "kv_tokens", "prefix_cache_bytes", "worker_seconds")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
-    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     REGROUP_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_SLOTS_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WORKER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     tokens: _containers.RepeatedCompositeFieldContainer[SequenceToken]
-    timings: StepTimings
     regroup_bytes: int
     kv_slots: int
     kv_tokens: int
-    instance_id: str
     prefix_cache_bytes: int
-    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SequenceToken, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., regroup_bytes: _Optional[int] = ..., kv_slots: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., instance_id: _Optional[str] = ..., prefix_cache_bytes: _Optional[int] = ...) -> None: ...
+    worker_seconds: float
+    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SequenceToken, _Mapping]]] = ..., regroup_bytes: _Optional[int] = ..., kv_slots: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., worker_seconds: _Optional[float] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ResetResponse(_message.Message):
-    __slots__ = ("instance_id",)
-    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
-    instance_id: str
-    def __init__(self, instance_id: _Optional[str] = ...) -> None: ...
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -40,11 +40,6 @@ class WorkerStub:
                 request_serializer=seqserve_dot_worker_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
                 response_deserializer=seqserve_dot_worker_dot_v1_dot_worker__pb2.InfoResponse.FromString,
                 _registered_method=True)
-        self.Step = channel.unary_unary(
-                '/seqserve.worker.v1.Worker/Step',
-                request_serializer=seqserve_dot_worker_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
-                response_deserializer=seqserve_dot_worker_dot_v1_dot_worker__pb2.StepResponse.FromString,
-                _registered_method=True)
         self.Steps = channel.stream_stream(
                 '/seqserve.worker.v1.Worker/Steps',
                 request_serializer=seqserve_dot_worker_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
@@ -68,17 +63,11 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Step(self, request, context):
-        """One decoding iteration: release, regroup, then one forward over every token
-        (each group's decoding rows and the new prompts), attention per group.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Steps(self, request_iterator, context):
-        """The scheduler's pipeline of Steps on one stream: the worker runs them in the order
-        sent and answers each in that order, so the scheduler may send step n+1 before step
+        """The scheduler's pipeline of Steps on one stream. One Step is one decoding iteration:
+        release, regroup, then one forward over every token (each group's decoding rows and
+        the new prompts), attention per group. The worker runs them in the order sent and
+        answers each in that order, so the scheduler may send step n+1 before step
         n's answer arrives and the worker never waits for a round trip between steps. A
         failed Step ends the stream with its error; the Steps sent after it are dropped.
         """
@@ -100,11 +89,6 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=seqserve_dot_worker_dot_v1_dot_worker__pb2.InfoRequest.FromString,
                     response_serializer=seqserve_dot_worker_dot_v1_dot_worker__pb2.InfoResponse.SerializeToString,
-            ),
-            'Step': grpc.unary_unary_rpc_method_handler(
-                    servicer.Step,
-                    request_deserializer=seqserve_dot_worker_dot_v1_dot_worker__pb2.StepRequest.FromString,
-                    response_serializer=seqserve_dot_worker_dot_v1_dot_worker__pb2.StepResponse.SerializeToString,
             ),
             'Steps': grpc.stream_stream_rpc_method_handler(
                     servicer.Steps,
@@ -145,33 +129,6 @@ class Worker:
             '/seqserve.worker.v1.Worker/Info',
             seqserve_dot_worker_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
             seqserve_dot_worker_dot_v1_dot_worker__pb2.InfoResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Step(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/seqserve.worker.v1.Worker/Step',
-            seqserve_dot_worker_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
-            seqserve_dot_worker_dot_v1_dot_worker__pb2.StepResponse.FromString,
             options,
             channel_credentials,
             insecure,

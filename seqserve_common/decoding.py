@@ -1,0 +1,28 @@
+"""Decoding strategies: one enum for both processes, and its wire form."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from seqserve.worker.v1 import worker_pb2
+
+
+class DecodingStrategy(str, Enum):
+    """How a sequence picks its tokens. The value is the name clients and options use."""
+
+    GREEDY = "greedy"
+    SAMPLE = "sample"
+    CONTRASTIVE = "contrastive"
+
+    def to_proto(self) -> int:
+        return _TO_PROTO[self]
+
+    @classmethod
+    def from_proto(cls, value: int) -> "DecodingStrategy":
+        return _FROM_PROTO[value]
+
+
+_TO_PROTO = {DecodingStrategy.GREEDY: worker_pb2.SamplingParams.STRATEGY_GREEDY,
+             DecodingStrategy.SAMPLE: worker_pb2.SamplingParams.STRATEGY_SAMPLE,
+             DecodingStrategy.CONTRASTIVE: worker_pb2.SamplingParams.STRATEGY_CONTRASTIVE}
+_FROM_PROTO = {v: k for k, v in _TO_PROTO.items()}
