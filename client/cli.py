@@ -78,13 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=_generate)
     info = sub.add_parser("info", help="show the served model and limits")
     info.set_defaults(func=_info)
-    sub.add_parser("bench", help="benchmarks (see `seqserve bench --help`)", add_help=False)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:
-        from client import bench  # heavy imports (torch, matplotlib) only for benchmarks
-
-        return bench.main(argv[1:])
-    args = parser.parse_args(argv)
+    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
         return args.func(args)
     except grpc.RpcError as exc:

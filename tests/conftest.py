@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from client.processes import Proc, health_status, spawn  # noqa: F401 - health_status: for tests
+from bench.processes import Proc, health_status, spawn  # noqa: F401 - health_status: for tests
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = Path(os.environ.get("SEQSERVE_TEST_MODELS", REPO / "models" / "test"))

@@ -1,4 +1,4 @@
-"""The benchmark harness (client/bench/): workloads, arrivals, statistics, tiny end-to-end runs."""
+"""The benchmark harness (bench/): workloads, arrivals, statistics, tiny end-to-end runs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from client import bench
+import bench
 from tests.conftest import tiny_model
 
 

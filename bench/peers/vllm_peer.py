@@ -1,4 +1,4 @@
-"""The vLLM peer of `python -m client.bench`, run in .bench-peers-venv (`make bench-peers`).
+"""The vLLM peer of `python -m bench`, run in .bench-peers-venv (`make bench-peers`).
 
     .bench-peers-venv/bin/python bench/peers/vllm_peer.py SPEC.json RESULT.json
 

@@ -1,5 +1,5 @@
 """Start seqserve's processes on this machine: spawn one with a port file, wait until it
-serves, stop it. The benchmark harness (client/bench) and the test suite both deploy this
+serves, stop it. The benchmark harness (bench/) and the test suite both deploy this
 way: each process binds ephemeral ports and writes them to a JSON file once listening."""
 
 from __future__ import annotations

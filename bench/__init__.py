@@ -1,15 +1,15 @@
 """Benchmarks: seqserve against its peers, splitting sweep, prefix cache, a load generator.
 
-    python -m client.bench throughput   # seqserve vs HF generate, output tokens/s (issue 2)
-    python -m client.bench sweep        # max_sparsity x max_splits grid (issue 3)
-    python -m client.bench partition    # plan_partition time for 512 lengths (issue 3)
-    python -m client.bench prefix       # cached_prompt TTFT warm vs off, Mooncake (issue 5)
-    python -m client.bench peers        # seqserve vs HF, transformers CB, vLLM; ceiling (issue 7)
-    python -m client.bench serve        # load generator: at once, Poisson, trace times (issue 7)
-    python -m client.bench ceiling      # the model's own forward throughput at given shapes
-    python -m client.bench all          # every figure of docs/benchmarks.md
+    python -m bench throughput   # seqserve vs HF generate, output tokens/s (issue 2)
+    python -m bench sweep        # max_sparsity x max_splits grid (issue 3)
+    python -m bench partition    # plan_partition time for 512 lengths (issue 3)
+    python -m bench prefix       # cached_prompt TTFT warm vs off, Mooncake (issue 5)
+    python -m bench peers        # seqserve vs HF, transformers CB, vLLM; ceiling (issue 7)
+    python -m bench serve        # load generator: at once, Poisson, trace times (issue 7)
+    python -m bench ceiling      # the model's own forward throughput at given shapes
+    python -m bench all          # every figure of docs/benchmarks.md
 
-`seqserve bench ARGS` is the same. With no subcommand `throughput` runs.
+With no subcommand `throughput` runs.
 
 Workloads (--workload): the Azure LLM inference traces 2023 (azure-conv, azure-code) and the
 Mooncake conversation trace (mooncake), in bench/data/ with their licenses. Lengths are scaled
@@ -32,19 +32,19 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from client.bench.ceiling import decode_shape, forward_ceiling, run_ceiling
-from client.bench.commands import (COMMANDS, DEFAULT_MODEL, RATE_FRACTIONS, REFERENCE_POINT,
+from bench.ceiling import decode_shape, forward_ceiling, run_ceiling
+from bench.commands import (COMMANDS, DEFAULT_MODEL, RATE_FRACTIONS, REFERENCE_POINT,
                                    SWEEP_SPARSITIES, SWEEP_SPLITS, cached_prompt_requests, knee,
                                    prepare, select_conversations)
-from client.bench.deploy import (Deployment, GaugePeak, Profiler, scrape, server_metrics,
+from bench.deploy import (Deployment, GaugePeak, Profiler, scrape, server_metrics,
                                  summarize_collapsed, worker_metrics)
-from client.bench.env import environment, machine_cores, model_dtype, resolve_device
-from client.bench.loadgen import (SeqserveTarget, bench_seqserve, send_all, send_requests,
+from bench.env import environment, machine_cores, model_dtype, resolve_device
+from bench.loadgen import (SeqserveTarget, bench_seqserve, send_all, send_requests,
                                   send_sequential)
-from client.bench.peers import PEERS, bench_hf, bench_hf_cb, run_vllm, vllm_available
-from client.bench.stats import (RequestResult, Slo, goodput, latency_stats, meets, percentile,
+from bench.peer_systems import PEERS, bench_hf, bench_hf_cb, run_vllm, vllm_available
+from bench.stats import (RequestResult, Slo, goodput, latency_stats, meets, percentile,
                                 summarize)
-from client.bench.workload import (MOONCAKE_BLOCK, TRACE, TRACE_NAME, WORKLOADS, BenchRequest,
+from bench.workload import (MOONCAKE_BLOCK, TRACE, TRACE_NAME, WORKLOADS, BenchRequest,
                                    Scale, TraceItem, arrivals, block_tokens_for,
                                    build_mooncake_requests, build_requests,
                                    ideal_prefix_hit_rate, length_stats, load_mooncake,
@@ -71,6 +71,6 @@ __all__ = [
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from client.bench.commands import main as _main
+    from bench.commands import main as _main
 
     return _main(argv, __doc__)

@@ -13,7 +13,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from client.processes import Proc, spawn
+from bench.processes import Proc, spawn
 
 logger = logging.getLogger("seqserve.bench")
 

@@ -1,4 +1,4 @@
-"""Subcommands of `python -m client.bench` (also `seqserve bench ...`)."""
+"""Subcommands of `python -m bench`."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
-from client.bench import report
-from client.bench.ceiling import run_ceiling
-from client.bench.env import environment, machine_cores, model_context, model_dtype
-from client.bench.loadgen import SeqserveTarget, bench_seqserve
-from client.bench.peers import (PEER_NAMES, PEERS, bench_hf, bench_hf_cb, run_vllm,
+from bench import report
+from bench.ceiling import run_ceiling
+from bench.env import environment, machine_cores, model_context, model_dtype
+from bench.loadgen import SeqserveTarget, bench_seqserve
+from bench.peer_systems import (PEER_NAMES, PEERS, bench_hf, bench_hf_cb, run_vllm,
                                 vllm_summary)
-from client.bench.report import LATENCY_HEADER, f as _f, latency_rows, md_table, ratio, write
-from client.bench.stats import Slo, percentile
-from client.bench.workload import (ARRIVALS, WORKLOADS, BenchRequest, Scale, TraceItem,
+from bench.report import LATENCY_HEADER, f as _f, latency_rows, md_table, ratio, write
+from bench.stats import Slo, percentile
+from bench.workload import (ARRIVALS, WORKLOADS, BenchRequest, Scale, TraceItem,
                                    arrivals, build_workload_requests, describe_arrivals,
                                    ideal_prefix_hit_rate, length_stats, load_mooncake,
                                    load_workload, make_prompt, mooncake_scale,
@@ -114,7 +114,7 @@ _ARGV: list[str] = []
 
 def command_line() -> str:
     """The command that made a result, as a person would type it."""
-    return "python -m client.bench " + " ".join(shlex.quote(a) for a in _ARGV)
+    return "python -m bench " + " ".join(shlex.quote(a) for a in _ARGV)
 
 
 def workload_line(meta: dict) -> str:
@@ -781,8 +781,8 @@ def serve_markdown(result: dict) -> str:
 
 
 def cmd_ceiling(args) -> dict:
-    """The forward-pass ceiling alone, at given shapes (see client/bench/ceiling.py)."""
-    from client.bench.ceiling import forward_ceiling
+    """The forward-pass ceiling alone, at given shapes (see bench/ceiling.py)."""
+    from bench.ceiling import forward_ceiling
 
     model_dir = ensure_model(Path(args.model))
     out = forward_ceiling(model_dir, batch=args.batch, context=args.context,
@@ -963,7 +963,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     g.add_argument("--mooncake-max-concurrency", type=int, default=None,
                    help="Mooncake requests in flight at most (no cap)")
 
-    parser = argparse.ArgumentParser(prog="python -m client.bench",
+    parser = argparse.ArgumentParser(prog="python -m bench",
                                      description=doc.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=doc.split("\n\n", 1)[1])

@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Sequence
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "bench" / "data"
 
 
@@ -291,7 +291,7 @@ def build_workload_requests(tokenizer, name: str, items: Sequence[TraceItem], se
 
 
 def length_stats(values: Sequence[int]) -> dict[str, float]:
-    from client.bench.stats import percentile
+    from bench.stats import percentile
 
     return {"sum": int(sum(values)), "min": min(values), "mean": sum(values) / len(values),
             "p50": percentile(values, 50), "max": max(values)}

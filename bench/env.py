@@ -9,7 +9,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-from client.bench.workload import REPO
+from bench.workload import REPO
 
 
 def model_dtype(model_dir: Path) -> str:

@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from client.bench.deploy import (Deployment, GaugePeak, Profiler, scrape, server_metrics,
+from bench.deploy import (Deployment, GaugePeak, Profiler, scrape, server_metrics,
                                  worker_metrics)
-from client.bench.stats import RequestResult, Slo, summarize
-from client.bench.workload import BenchRequest, make_prompt, round_trip_tokens
+from bench.stats import RequestResult, Slo, summarize
+from bench.workload import BenchRequest, make_prompt, round_trip_tokens
 
 logger = logging.getLogger("seqserve.bench")
 

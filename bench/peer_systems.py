@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from client.bench.env import machine_cores, model_context, model_dtype, resolve_device
-from client.bench.stats import Slo, latency_stats, results_from_times, summarize
-from client.bench.workload import REPO, BenchRequest
+from bench.env import machine_cores, model_context, model_dtype, resolve_device
+from bench.stats import Slo, latency_stats, results_from_times, summarize
+from bench.workload import REPO, BenchRequest
 
 logger = logging.getLogger("seqserve.bench")
 

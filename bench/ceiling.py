@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from client.bench.env import model_dtype, resolve_device
-from client.bench.peers import _load_model, _Threads
-from client.bench.stats import percentile
-from client.bench.workload import BenchRequest
+from bench.env import model_dtype, resolve_device
+from bench.peer_systems import _load_model, _Threads
+from bench.stats import percentile
+from bench.workload import BenchRequest
 
 logger = logging.getLogger("seqserve.bench")
 
@@ -135,7 +135,7 @@ def run_ceiling(model_dir: Path, requests: Sequence[BenchRequest], mean_batch_si
     decode_s = decode_tokens / m["decode_tokens_per_s"]
     ceiling = out_tokens / (prefill_s + decode_s)
     return {"method": "plain HF forward at the run's mean batch and context (see "
-                      "client/bench/ceiling.py)",
+                      "bench/ceiling.py)",
             "observed_mean_batch_size": mean_batch_size, "forward": m,
             "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens,
             "output_tokens": out_tokens, "mean_decode_context": mean_ctx,

@@ -1,3 +1,0 @@
-from client.bench import main
-
-raise SystemExit(main())
