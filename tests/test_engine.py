@@ -95,7 +95,7 @@ def test_prepacked_linears_change_no_bit():
     a step (prefills and decodes of several groups) equal those of plain F.linear exactly:
     the same tokens with the same log-probabilities."""
     from worker_service.fixtures import make_model
-    from worker_service.linear_prepack import PrepackedLinear
+    from worker_service.kernels.linear_prepack import PrepackedLinear
 
     model_dir = make_model(tiny_model("llama").parent / "tiny-llama-bf16", arch="llama",
                            size="tiny", dtype="bfloat16", seed=0)
@@ -147,7 +147,7 @@ def test_grown_buffers_keep_the_kv_and_zero_every_other_slot():
 
 
 def test_kv_dtype_auto_on_cpu_is_bfloat16_with_the_native_loop_else_float32(monkeypatch):
-    from worker_service import native_attention
+    from worker_service.kernels import native_attention
     from worker_service.model_runner import resolve_kv_dtype
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
@@ -171,7 +171,7 @@ NATIVE_SHAPES = [(4, 4, None, 16), (4, 2, None, 16), (6, 2, 5, 16), (4, 2, None,
 def test_kv_buffers_skip_the_zero_fill_only_where_the_native_loops_read_them(monkeypatch):
     """bfloat16 on CPU with the native loops: buffers are left unfilled (only rows' own
     slots are read); float32, or no native loops (SDPA reads masked padding): zero-filled."""
-    from worker_service import native_attention
+    from worker_service.kernels import native_attention
     from worker_service.fixtures import make_model
     from worker_service.kv_groups import KVGroup
 
@@ -198,7 +198,7 @@ def test_native_decode_attention_matches_masked_sdpa(heads, kv_heads, window, di
     different lengths (blocks of 16 slots and the rest), a segment starting past row 0,
     grouped-query heads, a sliding window; 18-54 (row, head) pairs, enough for it to split
     them over threads."""
-    from worker_service import native_attention
+    from worker_service.kernels import native_attention
     from worker_service.attention import build_mask
 
     assert shutil.which("cc") or shutil.which("gcc"), "the test machine has a C compiler"
@@ -227,7 +227,7 @@ def test_native_prompt_attention_matches_causal_sdpa(heads, kv_heads, window, di
     """The C prompt loop against float32 SDPA with the mask the worker builds: 37 queries
     of one row after `start` slots already held (a prefix-cache hit), over a buffer with
     other rows and spare slots around it."""
-    from worker_service import native_attention
+    from worker_service.kernels import native_attention
     from worker_service.attention import build_mask
 
     g = torch.Generator().manual_seed(heads + dim + start)
@@ -252,7 +252,7 @@ def test_float32_kv_of_a_bfloat16_model_gives_its_tokens(monkeypatch):
     bfloat16, SDPA over bfloat16 where the loop is not built) change only the rounding
     inside attention: the same greedy tokens, log-probabilities within bf16 noise, over
     prefills and decodes of several groups."""
-    from worker_service import native_attention
+    from worker_service.kernels import native_attention
     from worker_service.fixtures import make_model
 
     model_dir = make_model(tiny_model("llama").parent / "tiny-llama-bf16", arch="llama",

@@ -7,7 +7,7 @@ import torch
 from transformers.models.llama import modeling_llama
 
 from tests.conftest import tiny_model
-from worker_service import fused_layers
+from worker_service.kernels import fused_layers
 from worker_service.engine import Engine, NewSequence
 from worker_service.fixtures import make_model
 from worker_service.model_runner import ModelRunner

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from worker_service import attention, fused_layers, linear_prepack, native_attention
+from worker_service import attention
+from worker_service.kernels import fused_layers, linear_prepack, native_attention
 from worker_service.kv_groups import KVShape
 from worker_service.packed_batch import PackedBatch, PackedCache, StatelessCache
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Cache
 
-from worker_service import native_attention
+from worker_service.kernels import native_attention
 from worker_service.attention import build_mask
 from worker_service.kv_groups import KVGroup
 

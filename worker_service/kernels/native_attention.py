@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from worker_service import native_build
+from worker_service.kernels import native_build
 
 SOURCE = Path(__file__).with_name("native_attention.c")
 MAX_DIM = 512  # the C loops' largest head size (MAX_DIM there)

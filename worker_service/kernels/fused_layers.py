@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from transformers.models.llama import modeling_llama as reference
 
-from worker_service import native_build
+from worker_service.kernels import native_build
 
 SOURCE = Path(__file__).with_name("fused_layers.c")
 _P, _I, _F = native_build.P, native_build.I64, native_build.F32
