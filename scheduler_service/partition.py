@@ -20,33 +20,22 @@ sums.  For fixed ``i`` the bracket is a line in ``x = C[j]`` with slope
 ``L[i]``; slopes decrease as ``i`` grows and queries ``C[j]`` increase, so a
 monotone convex-hull trick gives each layer in O(m).  Total cost is
 O(n log n + k * m), with exact integer arithmetic throughout.
+
+Limits are not checked here: the configuration loader checks them at start-up
+and the CLI checks its flags.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import operator
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, compress
 from operator import ne, neg
 
-__all__ = [
-    "Partition",
-    "optimal_padding",
-    "optimal_partition",
-    "plan_partition",
-    "padding_of",
-    "sparsity_of",
-    "validate_limits",
-    "main",
-]
-
-DEFAULT_MAX_SPARSITY = 0.33
-DEFAULT_MAX_SPLITS = 3
+from seqserve_common.config import ServingConfig
 
 
 @dataclass(frozen=True)
@@ -74,110 +63,18 @@ class Partition:
 _EMPTY = Partition(groups=(), padding=0, sparsity=0.0)
 
 
-# --------------------------------------------------------------------------
-# Validation
-# --------------------------------------------------------------------------
-
-
-def validate_limits(max_sparsity: float, max_splits: int) -> None:
-    """Check the thresholding options.
-
-    Raises:
-        ValueError: if ``max_sparsity`` is not a finite number in [0, 1] or
-            ``max_splits`` is not an int >= 1.
-    """
-    # bool is an int subclass; True/False as a limit is almost surely a bug.
-    if (
-        isinstance(max_sparsity, bool)
-        or not isinstance(max_sparsity, (int, float))
-        or not math.isfinite(max_sparsity)
-        or not 0.0 <= max_sparsity <= 1.0
-    ):
-        raise ValueError(
-            f"max_sparsity must be a finite number in [0, 1], got {max_sparsity!r}"
-        )
-    if isinstance(max_splits, bool) or not isinstance(max_splits, int) or max_splits < 1:
-        raise ValueError(f"max_splits must be an int >= 1, got {max_splits!r}")
-
-
 def _check_lengths(lengths: Iterable[int]) -> list[int]:
-    """Return the lengths as a list of plain ints, rejecting bad entries."""
     values = list(lengths)
-    # Fast path for the common case (all plain ints); bool is excluded because
-    # type(True) is bool, not int.
-    if set(map(type, values)) <= {int}:
-        if values and min(values) < 0:
-            pos = next(p for p, v in enumerate(values) if v < 0)
-            raise ValueError(f"lengths[{pos}] must be >= 0, got {values[pos]}")
-        return values
-    out: list[int] = []
-    for pos, value in enumerate(values):
-        if isinstance(value, bool):
-            raise TypeError(f"lengths[{pos}] must be an int, got bool")
-        try:
-            # operator.index also accepts numpy integers but not floats.
-            length = operator.index(value)
-        except TypeError:
-            raise TypeError(
-                f"lengths[{pos}] must be an int, got {type(value).__name__}"
-            ) from None
-        if length < 0:
-            raise ValueError(f"lengths[{pos}] must be >= 0, got {length}")
-        out.append(length)
-    return out
-
-
-def _check_k(k: int) -> None:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be an int >= 1, got {k!r}")
-
-
-# --------------------------------------------------------------------------
-# Helpers
-# --------------------------------------------------------------------------
+    # A negative length would make the padding meaningless rather than fail.
+    if values and min(values) < 0:
+        pos = next(p for p, v in enumerate(values) if v < 0)
+        raise ValueError(f"lengths[{pos}] must be >= 0, got {values[pos]}")
+    return values
 
 
 def _sparsity(padding: int, total: int) -> float:
     denominator = padding + total
     return padding / denominator if denominator else 0.0
-
-
-def padding_of(lengths: Sequence[int], groups: Iterable[Iterable[int]]) -> int:
-    """Padding of ``groups`` (0-based indices into ``lengths``).
-
-    Empty groups contribute nothing.  Raises ValueError on an out-of-range or
-    repeated index, since either would make the padding meaningless.
-    """
-    values = _check_lengths(lengths)
-    n = len(values)
-    seen: set[int] = set()
-    padding = 0
-    for group in groups:
-        members = [values[_check_index(idx, n, seen)] for idx in group]
-        if members:
-            padding += len(members) * max(members) - sum(members)
-    return padding
-
-
-def _check_index(idx: int, n: int, seen: set[int]) -> int:
-    # Negative indices would silently wrap around in Python, so reject them.
-    if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n:
-        raise ValueError(f"group index {idx!r} is not in range(0, {n})")
-    if idx in seen:
-        raise ValueError(f"group index {idx} appears more than once")
-    seen.add(idx)
-    return idx
-
-
-def sparsity_of(lengths: Sequence[int], groups: Iterable[Iterable[int]]) -> float:
-    """Sparsity of ``groups``: padding / (padding + sum of all lengths)."""
-    padding = padding_of(lengths, groups)
-    return _sparsity(padding, sum(_check_lengths(lengths)))
-
-
-# --------------------------------------------------------------------------
-# Core DP
-# --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -380,16 +277,6 @@ def _solve(values: list[int], k: int) -> Partition:
     return Partition(solver.groups(), padding, _sparsity(padding, total))
 
 
-# --------------------------------------------------------------------------
-# Public API
-# --------------------------------------------------------------------------
-
-
-def optimal_padding(lengths: Sequence[int], k: int) -> int:
-    """Least total padding achievable with at most ``k`` groups."""
-    return optimal_partition(lengths, k).padding
-
-
 def optimal_partition(lengths: Sequence[int], k: int) -> Partition:
     """An optimal (least-padding) partition into at most ``k`` groups.
 
@@ -398,29 +285,24 @@ def optimal_partition(lengths: Sequence[int], k: int) -> Partition:
 
     Raises:
         ValueError: if ``k`` is not an int >= 1 or a length is negative.
-        TypeError: if a length is not an int.
     """
-    _check_k(k)
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}")
     return _solve(_check_lengths(lengths), k)
 
 
-def plan_partition(
-    lengths: Sequence[int], max_sparsity: float, max_splits: int
-) -> Partition:
+def plan_partition(lengths: Sequence[int], max_sparsity: float, max_splits: int) -> Partition:
     """Partition with the smallest k <= ``max_splits`` meeting ``max_sparsity``.
 
     If no k meets the threshold the optimal partition for ``max_splits`` is
     returned (it then has exactly ``max_splits`` groups, since any input with
-    at most ``max_splits`` distinct lengths reaches zero sparsity).
+    at most ``max_splits`` distinct lengths reaches zero sparsity).  The limits
+    must be valid (``0 <= max_sparsity <= 1``, ``max_splits >= 1``).
 
     Raises:
-        ValueError: on invalid limits (see :func:`validate_limits`) or a
-            negative length.
-        TypeError: if a length is not an int.
+        ValueError: if a length is negative.
     """
-    validate_limits(max_sparsity, max_splits)
-    values = _check_lengths(lengths)
-    runs = _make_runs(values)
+    runs = _make_runs(_check_lengths(lengths))
     if runs.m == 0:
         return _EMPTY
     total = runs.S[runs.m]
@@ -433,61 +315,50 @@ def plan_partition(
     return Partition(solver.groups(), padding, sparsity)
 
 
-# --------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------
+def _max_sparsity(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value <= 1.0:  # also false for nan
+        msg = f"max_sparsity must be a finite number in [0, 1], got {text!r}"
+        raise argparse.ArgumentTypeError(msg)
+    return value
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m scheduler_service.partition",
-        description=(
-            "Split a batch of sequence lengths into padded groups, using the "
-            "fewest groups whose padding fraction stays within --max-sparsity."
-        ),
-    )
-    parser.add_argument(
-        "lengths", nargs="+", type=int, metavar="LENGTH", help="sequence lengths (>= 0)"
-    )
-    parser.add_argument(
-        "--max-sparsity",
-        type=float,
-        default=DEFAULT_MAX_SPARSITY,
-        help=f"largest allowed padding fraction in [0, 1] (default {DEFAULT_MAX_SPARSITY})",
-    )
-    parser.add_argument(
-        "--max-splits",
-        type=int,
-        default=DEFAULT_MAX_SPLITS,
-        help=f"largest number of groups, >= 1 (default {DEFAULT_MAX_SPLITS})",
-    )
-    parser.add_argument(
-        "--json", action="store_true", help="print one JSON object instead of text"
-    )
-    return parser
+def _max_splits(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"max_splits must be an int >= 1, got {text!r}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; groups are printed with 1-based positions."""
-    parser = _build_parser()
+    parser = argparse.ArgumentParser(
+        prog="python -m scheduler_service.partition",
+        description="Split a batch of sequence lengths into padded groups, using the "
+        "fewest groups whose padding fraction stays within --max-sparsity.",
+    )
+    parser.add_argument("lengths", nargs="+", type=int, metavar="LENGTH",
+                        help="sequence lengths (>= 0)")
+    parser.add_argument("--max-sparsity", type=_max_sparsity, default=ServingConfig.max_sparsity,
+                        help="largest allowed padding fraction in [0, 1] (default %(default)s)")
+    parser.add_argument("--max-splits", type=_max_splits, default=ServingConfig.max_splits,
+                        help="largest number of groups, >= 1 (default %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
     try:
-        validate_limits(args.max_sparsity, args.max_splits)
         result = plan_partition(args.lengths, args.max_sparsity, args.max_splits)
     except ValueError as exc:
         parser.error(str(exc))  # exits with status 2
     positions = [[idx + 1 for idx in group] for group in result.groups]
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "num_splits": result.num_splits,
-                    "partition": positions,
-                    "padding": result.padding,
-                    "sparsity": result.sparsity,
-                }
-            )
-        )
+        print(json.dumps({"num_splits": result.num_splits, "partition": positions,
+                          "padding": result.padding, "sparsity": result.sparsity}))
     else:
         print(f"seq_lengths: {list(args.lengths)}")
         print(f"max_sparsity: {args.max_sparsity}")

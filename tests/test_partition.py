@@ -24,13 +24,10 @@ if str(REPO_ROOT) not in sys.path:
 from scheduler_service.partition import (  # noqa: E402
     Partition,
     main,
-    optimal_padding,
     optimal_partition,
-    padding_of,
     plan_partition,
-    sparsity_of,
-    validate_limits,
 )
+from seqserve_common.config import ServingConfig  # noqa: E402
 
 SEED = [38, 33, 24, 22]
 # (max_sparsity, expected num_splits, expected 1-based partition) for SEED
@@ -140,6 +137,16 @@ def sparsity(padding: int, lengths: Sequence[int]) -> float:
     return padding / denominator if denominator else 0.0
 
 
+def padding_of(lengths: Sequence[int], groups: Sequence[Sequence[int]]) -> int:
+    """Padding of ``groups`` (0-based indices), recomputed from the lengths."""
+    padding = 0
+    for group in groups:
+        members = [lengths[i] for i in group]
+        if members:
+            padding += len(members) * max(members) - sum(members)
+    return padding
+
+
 def assert_well_formed(lengths: Sequence[int], result: Partition, k: int) -> None:
     n = len(lengths)
     flat = [idx for group in result.groups for idx in group]
@@ -147,7 +154,7 @@ def assert_well_formed(lengths: Sequence[int], result: Partition, k: int) -> Non
     assert all(result.groups), "no empty groups"
     assert result.num_splits == len(result.groups) <= k
     assert padding_of(lengths, result.groups) == result.padding
-    assert result.sparsity == pytest.approx(sparsity_of(lengths, result.groups))
+    assert result.sparsity == pytest.approx(sparsity(result.padding, lengths))
     # Ordering contract: by descending max, inside by (-length, index).
     for group in result.groups:
         assert list(group) == sorted(group, key=lambda i: (-lengths[i], i))
@@ -175,6 +182,14 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_brute_force_visits_every_set_partition(n: int, bell: int) -> None:
     _, visited = _enumerate_partitions(list(range(n)))
     assert visited == bell
+
+
+def test_padding_oracle() -> None:
+    assert padding_of(SEED, [[0], [1], [2, 3]]) == 2
+    assert padding_of(SEED, [[0, 1, 2, 3]]) == 35
+    assert padding_of(SEED, [[3, 0], [], [2, 1]]) == 16 + 9
+    assert sparsity(2, SEED) == pytest.approx(2 / 119)
+    assert sparsity(0, [0, 0]) == 0.0
 
 
 # --------------------------------------------------------------------------
@@ -251,11 +266,22 @@ def test_cli_json_padding_for_brief_example(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_cli_defaults(capsys: pytest.CaptureFixture[str]) -> None:
-    # Defaults are --max-sparsity 0.33 --max-splits 3; one group has 35/152.
+    # The configuration's defaults (0.33, 3): one group has 35/152 <= 0.33.
+    assert (ServingConfig.max_sparsity, ServingConfig.max_splits) == (0.33, 3)
     assert main(["38", "33", "24", "22"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[1] == "max_sparsity: 0.33"
     assert out[2:] == ["num_splits: 1", "partition: [[1, 2, 3, 4]]"]
+
+
+def test_cli_defaults_come_from_serving_config(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(ServingConfig, "max_sparsity", 0.0)
+    monkeypatch.setattr(ServingConfig, "max_splits", 2)
+    assert main(["38", "33", "24", "22"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:] == ["max_sparsity: 0.0", "num_splits: 2", "partition: [[1, 2], [3, 4]]"]
 
 
 def test_cli_orders_positions_by_length(capsys: pytest.CaptureFixture[str]) -> None:
@@ -274,10 +300,15 @@ def test_cli_orders_positions_by_length(capsys: pytest.CaptureFixture[str]) -> N
     "argv, message",
     [
         (["1", "--max-sparsity", "nan"], "max_sparsity must be a finite number in [0, 1]"),
+        (["1", "--max-sparsity", "inf"], "max_sparsity must be a finite number in [0, 1]"),
+        (["1", "--max-sparsity=-inf"], "max_sparsity must be a finite number in [0, 1]"),
         (["1", "--max-sparsity", "1.5"], "max_sparsity must be a finite number in [0, 1]"),
         (["1", "--max-sparsity", "-0.1"], "max_sparsity must be a finite number in [0, 1]"),
+        (["1", "--max-sparsity", "x"], "max_sparsity must be a finite number in [0, 1]"),
         (["1", "--max-splits", "0"], "max_splits must be an int >= 1"),
-        (["1", "--max-splits", "2.5"], "--max-splits"),
+        (["1", "--max-splits", "-3"], "max_splits must be an int >= 1"),
+        (["1", "--max-splits", "2.5"], "max_splits must be an int >= 1"),
+        (["1", "--max-splits", "x"], "max_splits must be an int >= 1"),
         (["3", "-2"], "lengths[1] must be >= 0"),
     ],
 )
@@ -290,6 +321,21 @@ def test_cli_rejects_bad_values(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert message in captured.err
+
+
+@pytest.mark.parametrize(
+    "argv, splits",
+    [
+        (["--max-sparsity", "0", "--max-splits", "1"], 1),
+        (["--max-sparsity", "1", "--max-splits", "4"], 1),
+        (["--max-sparsity", "0.0", "--max-splits", "4"], 4),
+    ],
+)
+def test_cli_accepts_boundary_limits(
+    argv: list[str], splits: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*map(str, SEED), *argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_splits"] == splits
 
 
 def test_cli_bad_value_exit_code_in_subprocess() -> None:
@@ -307,7 +353,6 @@ def test_cli_bad_value_exit_code_in_subprocess() -> None:
 @pytest.mark.parametrize("k, padding", [(1, 128), (2, 50), (3, 26), (4, 14)])
 def test_known_optimal_padding(k: int, padding: int) -> None:
     lengths = [27, 26, 18, 16, 14, 13, 12, 8, 7, 1]
-    assert optimal_padding(lengths, k) == padding
     result = optimal_partition(lengths, k)
     assert result.padding == padding
     assert result.num_splits == k
@@ -317,7 +362,7 @@ def test_known_optimal_padding(k: int, padding: int) -> None:
 def test_empty_input() -> None:
     empty = Partition(groups=(), padding=0, sparsity=0.0)
     assert optimal_partition([], 3) == empty
-    assert optimal_padding([], 1) == 0
+    assert optimal_partition([], 1) == empty
     assert plan_partition([], 0.1, 4) == empty
 
 
@@ -345,69 +390,21 @@ def test_plan_falls_back_to_max_splits_when_threshold_unreachable() -> None:
     lengths = [100, 90, 80, 70, 60, 50]
     result = plan_partition(lengths, 0.0, 3)
     assert result.num_splits == 3
-    assert result.padding == optimal_padding(lengths, 3) > 0
+    assert result.padding == optimal_partition(lengths, 3).padding > 0
     assert result.sparsity > 0.0
 
 
-def test_helpers() -> None:
-    lengths = [38, 33, 24, 22]
-    assert padding_of(lengths, [[0], [1], [2, 3]]) == 2
-    assert sparsity_of(lengths, [[0], [1], [2, 3]]) == pytest.approx(2 / 119)
-    assert padding_of(lengths, [[0, 1, 2, 3]]) == 35
-    assert sparsity_of([0, 0], [[0, 1]]) == 0.0
-    with pytest.raises(ValueError, match="range"):
-        padding_of(lengths, [[4]])
-    with pytest.raises(ValueError, match="range"):
-        padding_of(lengths, [[-1]])
-    with pytest.raises(ValueError, match="more than once"):
-        padding_of(lengths, [[0], [0, 1]])
-
-
-@pytest.mark.parametrize("func", [optimal_padding, optimal_partition])
-def test_length_and_k_validation(func) -> None:  # type: ignore[no-untyped-def]
+def test_length_and_k_validation() -> None:
     with pytest.raises(ValueError, match=r"lengths\[1\] must be >= 0"):
-        func([3, -1], 1)
-    with pytest.raises(TypeError):
-        func([3, 1.5], 1)
-    with pytest.raises(TypeError):
-        func([3, True], 1)
-    for bad_k in (0, -1, 1.0, True):
+        optimal_partition([3, -1], 1)
+    for bad_k in (0, -1, 1.0):
         with pytest.raises(ValueError, match="k must be an int >= 1"):
-            func([3, 1], bad_k)
+            optimal_partition([3, 1], bad_k)  # type: ignore[arg-type]
 
 
 def test_plan_validates_lengths() -> None:
     with pytest.raises(ValueError, match=r"lengths\[0\] must be >= 0"):
         plan_partition([-5, 3], 0.5, 2)
-
-
-# --------------------------------------------------------------------------
-# validate_limits
-# --------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("value", [0, 0.0, 0.33, 1, 1.0])
-def test_validate_limits_accepts(value: float) -> None:
-    validate_limits(value, 1)
-    validate_limits(value, 64)
-
-
-@pytest.mark.parametrize(
-    "value", [math.nan, -0.1, 1.5, math.inf, -math.inf, "0.5", None, True]
-)
-def test_validate_limits_rejects_max_sparsity(value: object) -> None:
-    with pytest.raises(ValueError, match=r"max_sparsity must be a finite number in \[0, 1\]"):
-        validate_limits(value, 4)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="max_sparsity"):
-        plan_partition([1, 2], value, 4)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("value", [0, -3, 2.0, 2.5, "3", None, True])
-def test_validate_limits_rejects_max_splits(value: object) -> None:
-    with pytest.raises(ValueError, match="max_splits must be an int >= 1"):
-        validate_limits(0.5, value)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="max_splits"):
-        plan_partition([1, 2], 0.5, value)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------
@@ -426,7 +423,6 @@ def test_optimal_matches_brute_force(lengths: list[int]) -> None:
         result = optimal_partition(lengths, k)
         expected = best[min(k, n)]
         assert result.padding == expected, (lengths, k)
-        assert optimal_padding(lengths, k) == expected
         assert result.sparsity == pytest.approx(sparsity(expected, lengths))
         assert_well_formed(lengths, result, k)
 
