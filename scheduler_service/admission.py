@@ -47,5 +47,3 @@ class FCFSAdmission:
             prefill -= head.length
         return admitted
 
-
-POLICIES = {"fcfs": FCFSAdmission}

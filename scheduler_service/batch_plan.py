@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from scheduler_service.partition import Partition, plan_partition
 from scheduler_service.sequence import Sequence
@@ -17,7 +17,6 @@ class StepPlan:
     groups: list[list[int]]  # sequence ids per group
     partition: Partition
     regrouped: bool  # the partition was recomputed (membership changed)
-    lengths: list[int] = field(default_factory=list)  # KV length per sequence, plan order
 
 
 class BatchPlanner:
@@ -44,11 +43,11 @@ class BatchPlanner:
             part = self._partition
             shifted = Partition(groups=part.groups, padding=part.padding,
                                 sparsity=_sparsity(part.padding, sum(lengths)))
-            return StepPlan(release, [], self._groups, shifted, False, lengths)
+            return StepPlan(release, [], self._groups, shifted, False)
         part = plan_partition(lengths, self.max_sparsity, self.max_splits)
         groups = [[batch[i].seq_id for i in g] for g in part.groups]
         self._members, self._groups, self._partition = members, groups, part
-        return StepPlan(release, admitted, groups, part, True, lengths)
+        return StepPlan(release, admitted, groups, part, True)
 
     def forget(self) -> None:
         """Drop the cached plan (after a worker restart every sequence is new again)."""

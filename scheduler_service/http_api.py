@@ -14,13 +14,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import uuid
 
 from aiohttp import web
 
+from scheduler_service.frontend import Frontend, GenerationRequest, Unavailable
 from scheduler_service.params import RequestError
-from scheduler_service.sequence import FinishEvent, FinishReason, TokenEvent
-from scheduler_service.servicer import GenerationServicer
+from scheduler_service.sequence import FinishEvent, FinishReason, Sequence, TokenEvent
 from scheduler_service.waiting_queue import QueueFull
 
 logger = logging.getLogger(__name__)
@@ -38,8 +37,8 @@ def _details(ev: FinishEvent) -> dict:
 
 
 class InvocationsApp:
-    def __init__(self, servicer: GenerationServicer):
-        self.servicer = servicer
+    def __init__(self, frontend: Frontend):
+        self.frontend = frontend
         self.app = web.Application(client_max_size=MAX_BODY_BYTES)
         self.app.router.add_post("/invocations", self.invocations)
         self.app.router.add_get("/ping", self.ping)
@@ -58,27 +57,25 @@ class InvocationsApp:
             await self.runner.cleanup()
 
     async def ping(self, request: web.Request) -> web.Response:
-        ready = self.servicer.state is not None and not self.servicer.draining
+        ready = self.frontend.ready
         return web.json_response({"status": "Healthy" if ready else "Unhealthy"},
                                  status=200 if ready else 503)
 
     async def invocations(self, request: web.Request) -> web.StreamResponse:
-        state = self.servicer.state
-        if state is None or self.servicer.draining:
+        if not self.frontend.ready:
             return _error(503, "the server is not ready (no worker yet, or shutting down)")
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError, RecursionError):
-            # Why RecursionError: json nests by recursion, so a body of ~100k "[" raised it
-            # out of the handler and the client got HTTP 500 (found by tests/test_fuzz.py).
+            # RecursionError: json nests by recursion, so a deeply nested body raises it.
             return _error(400, "the body is not valid JSON")
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object with an \"inputs\" field")
         unknown = sorted(set(body) - _TOP_LEVEL)
         if unknown:
             return _error(400, f"unknown field {unknown[0]!r}; known: {', '.join(sorted(_TOP_LEVEL))}")
-        # Why `is None` rather than `or`: a wrong-typed falsy value ("parameters": 0, [],
-        # false; "cached_prompt": 0) was silently taken as absent instead of getting 400.
+        # `is None` rather than `or`: a wrong-typed falsy value ("parameters": 0, [], false;
+        # "cached_prompt": 0) must get a 400, not be taken as absent.
         inputs, params = body.get("inputs"), body.get("parameters")
         params = {} if params is None else params
         cached = body.get("cached_prompt")
@@ -93,26 +90,18 @@ class InvocationsApp:
             return _error(400, "inputs must be a string or a non-empty list of strings")
         if stream and len(batch) > 1:
             return _error(400, "stream supports a single string in inputs")
-        rid = str(body.get("request_id") or uuid.uuid4().hex)
+        rid = str(body.get("request_id") or "")
         try:
-            seqs = []
-            for i, text in enumerate(batch):
-                seq = await self.servicer.new_sequence(state, text, cached, params,
-                                                       rid if len(batch) == 1 else f"{rid}-{i}")
-                seqs.append(seq)
-            for seq in seqs:
-                state.loop.submit(seq)
+            seqs = await self.frontend.submit(GenerationRequest(batch, params, cached, rid))
+        except Unavailable as exc:
+            return _error(503, str(exc))
         except RequestError as exc:
-            state.loop.metrics.requests_failed.labels("INVALID_ARGUMENT").inc()
             return _error(400, str(exc))
         except QueueFull as exc:
-            for seq in seqs:
-                state.loop.cancel(seq)
-            state.loop.metrics.requests_failed.labels("RESOURCE_EXHAUSTED").inc()
             return _error(429, str(exc))
         if stream:
-            return await self._stream(request, state, seqs[0])
-        results = await asyncio.gather(*(self._collect(state, s) for s in seqs))
+            return await self._stream(request, seqs[0])
+        results = await asyncio.gather(*(self._collect(s) for s in seqs))
         for r in results:
             if isinstance(r, web.Response):
                 return r
@@ -121,20 +110,20 @@ class InvocationsApp:
         text, details = results[0]
         return web.json_response({"generated_text": text, "details": details})
 
-    async def _collect(self, state, seq):
+    async def _collect(self, seq: Sequence):
         parts = []
-        async for ev in self.servicer.events(state, seq):
+        async for ev in self.frontend.events(seq):
             parts.append(ev.text)
             if isinstance(ev, FinishEvent):
                 if ev.reason == FinishReason.ERROR:
                     return _error(503, ev.error or "generation failed")
                 return "".join(parts), _details(ev)
 
-    async def _stream(self, request, state, seq) -> web.StreamResponse:
+    async def _stream(self, request, seq: Sequence) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "application/jsonlines"})
         await resp.prepare(request)
         parts = []
-        async for ev in self.servicer.events(state, seq):
+        async for ev in self.frontend.events(seq):
             parts.append(ev.text)
             if isinstance(ev, TokenEvent):
                 line = {"token": {"id": ev.token_id, "text": ev.text, "log_prob": ev.logprob}}

@@ -12,16 +12,17 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from scheduler_service import auth
-from seqserve_common import tls
+from scheduler_service.frontend import Frontend, ServingState
+from scheduler_service.grpc_api import GenerationServicer, add_to_server
 from scheduler_service.http_api import InvocationsApp
-from seqserve_common.config import (ConfigError, ServingConfig, process_arguments,
-                                      write_port_file)
 from scheduler_service.loop import IterationLoop
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.params import Limits
-from scheduler_service.partition import validate_limits
-from scheduler_service.servicer import GenerationServicer, ServingState, add_to_server
 from scheduler_service.worker_client import WorkerClient
+from seqserve_common import tls
+from seqserve_common.config import (ConfigError, ServingConfig, process_arguments,
+                                    write_port_file)
+from seqserve_common.decoding import DecodingStrategy
 from seqserve.v1 import generate_pb2
 
 logger = logging.getLogger("seqserve.scheduler")
@@ -41,7 +42,8 @@ async def serve(cfg: ServingConfig, port_file: str | None,
 
     public_tls, worker_tls = security if security is not None else load_security(cfg)
     metrics = SchedulerMetrics()
-    servicer = GenerationServicer()
+    frontend = Frontend(metrics)
+    servicer = GenerationServicer(frontend)
     health_servicer = health.aio.HealthServicer()
     interceptors = [auth.BearerTokenInterceptor(cfg.auth_token)] if cfg.auth_token else []
     server = grpc.aio.server(interceptors=interceptors,
@@ -63,7 +65,7 @@ async def serve(cfg: ServingConfig, port_file: str | None,
     if cfg.metrics_port >= 0:
         httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=metrics.registry)
         metrics_port = httpd.server_port
-    http = InvocationsApp(servicer)
+    http = InvocationsApp(frontend)
     if cfg.auth_token:
         http.app.middlewares.append(auth.bearer_middleware(cfg.auth_token))
     http_ssl = public_tls.server_ssl_context() if public_tls is not None else None
@@ -115,16 +117,8 @@ async def serve(cfg: ServingConfig, port_file: str | None,
                     max_position_embeddings=info.max_position_embeddings,
                     max_new_tokens_limit=cfg.max_new_tokens_limit,
                     default_max_new_tokens=cfg.default_max_new_tokens,
-                    default_strategy=cfg.decoding_strategy)
-    model_info = generate_pb2.ModelInfoResponse(
-        model_id=cfg.model_id, architecture=info.architecture, vocab_size=info.vocab_size,
-        max_position_embeddings=info.max_position_embeddings, dtype=info.dtype,
-        device=info.device, max_new_tokens_limit=cfg.max_new_tokens_limit,
-        decoding_strategy=cfg.decoding_strategy,
-        max_rolling_batch_size=cfg.max_rolling_batch_size, max_sparsity=cfg.max_sparsity,
-        max_splits=cfg.max_splits, kv_budget_tokens=loop.kv_budget,
-        eos_token_ids=list(info.eos_token_ids))
-    servicer.state = ServingState(loop, tokenizer, limits, model_info)
+                    default_strategy=DecodingStrategy(cfg.decoding_strategy))
+    frontend.state = ServingState(loop, tokenizer, limits, info, cfg)
     metrics.worker_up.set(1)
     loop_task = asyncio.create_task(loop.run())
     for name in ("", SERVICE_NAME):
@@ -134,7 +128,7 @@ async def serve(cfg: ServingConfig, port_file: str | None,
     await stopped
     logger.info("shutting down: no new requests; draining %d running, %d waiting",
                 len(loop.running), len(loop.waiting))
-    servicer.draining = True
+    frontend.draining = True
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace=cfg.drain_timeout)
@@ -147,10 +141,12 @@ async def serve(cfg: ServingConfig, port_file: str | None,
 
 def main(argv: list[str] | None = None) -> int:
     parser, args, cfg = process_arguments("seqserve-scheduler", __doc__, argv)
+    if len(cfg.worker_addresses) != 1:
+        parser.error(f"option.worker_addresses lists {len(cfg.worker_addresses)} workers; this "
+                     "scheduler drives exactly one: give one host:port")
     try:
-        validate_limits(cfg.max_sparsity, cfg.max_splits)
         security = load_security(cfg)
-    except (ConfigError, ValueError) as exc:
+    except ConfigError as exc:
         parser.error(str(exc))
     return asyncio.run(serve(cfg, args.port_file, security))
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from scheduler_service.batch_plan import StepPlan
+from scheduler_service.sequence import FinishReason, Sequence
+from scheduler_service.worker_client import StepAnswer, StepToken
+
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _STEP = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _SPARSITY = (0.0, 0.01, 0.025, 0.05, 0.1, 0.2, 0.33, 0.5, 0.6, 0.75, 0.9, 1.0)
@@ -71,3 +75,45 @@ class SchedulerMetrics:
                                         "Bytes the worker's prefix cache holds", registry=r)
         self.worker_up = Gauge("seqserve_workers_ready", "Workers connected and serving",
                                registry=r)
+
+    # --- observations, one per event of the iteration loop ----------------------------------
+
+    def observe_admission(self, seq: Sequence, now: float) -> None:
+        self.queue_time.observe(now - seq.arrival_time)
+
+    def observe_token(self, seq: Sequence, tok: StepToken, now: float) -> None:
+        """Before the sequence records the token's time: TTFT or the gap since its last."""
+        if seq.first_token_time is None:
+            self.ttft.observe(now - seq.arrival_time)
+            self.prompt_tokens.inc(len(seq.prompt_ids))
+            self.prefix_hit_tokens.inc(tok.cached_tokens)
+        elif seq.last_token_time is not None:
+            self.itl.observe(now - seq.last_token_time)
+        self.generation_tokens.inc()
+
+    def observe_finish(self, seq: Sequence, reason: FinishReason, now: float) -> None:
+        self.requests_finished.labels(reason.value).inc()
+        if seq.first_token_time is not None:
+            self.e2e.observe(now - seq.arrival_time)
+
+    def observe_step(self, plan: StepPlan, answer: StepAnswer, plan_s: float, rpc_s: float,
+                     post_s: float, running: int, kv_used: float) -> None:
+        """`rpc_s`: the loop's wait for the answer; what the worker did not spend of it is
+        the control round trip."""
+        worker_s = answer.worker_seconds
+        self.step_time.labels("plan").observe(plan_s)
+        self.step_time.labels("worker").observe(worker_s)
+        self.step_time.labels("rpc").observe(max(rpc_s - worker_s, 0.0))
+        self.step_time.labels("postprocess").observe(post_s)
+        if plan.groups:
+            self.batch_size.observe(sum(len(g) for g in plan.groups))
+            self.splits.observe(len(plan.groups))
+            self.sparsity.observe(plan.partition.sparsity)
+        if plan.regrouped:
+            self.regroups.inc()
+        self.prefix_cache_bytes.set(answer.prefix_cache_bytes)
+        self.padded_slots.set(answer.kv_slots)
+        self.real_tokens.set(answer.kv_tokens)
+        self.regroup_bytes.inc(answer.regroup_bytes)
+        self.running.set(running)
+        self.kv_budget_used.set(kv_used)

@@ -10,10 +10,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from seqserve_common.decoding import DecodingStrategy
+
 MAX_STOP_STRINGS = 8
 MAX_STOP_LENGTH = 256
 MAX_LOGPROBS = 5
-STRATEGIES = ("greedy", "sample", "contrastive")
+STRATEGIES = tuple(s.value for s in DecodingStrategy)
 
 
 class RequestError(ValueError):
@@ -28,7 +30,7 @@ class Limits:
     max_position_embeddings: int
     max_new_tokens_limit: int
     default_max_new_tokens: int
-    default_strategy: str = "greedy"
+    default_strategy: DecodingStrategy = DecodingStrategy.GREEDY
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,7 @@ class DecodingConfig:
     """A request's resolved decoding parameters."""
 
     max_new_tokens: int
-    strategy: str
+    strategy: DecodingStrategy
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -114,6 +116,7 @@ def resolve(params: Mapping[str, Any], limits: Limits, prompt_tokens: int) -> De
         strategy = "sample" if p["do_sample"] else "greedy"
     else:
         strategy = limits.default_strategy
+    strategy = DecodingStrategy(strategy)
 
     max_new = _integer("max_new_tokens", p.get("max_new_tokens", limits.default_max_new_tokens))
     _in_range("max_new_tokens", max_new, 1, limits.max_new_tokens_limit)
@@ -125,9 +128,9 @@ def resolve(params: Mapping[str, Any], limits: Limits, prompt_tokens: int) -> De
 
     temperature = _number("temperature", p.get("temperature", 1.0))
     _in_range("temperature", temperature, 0, math.inf, lo_open=True)
-    default_k = CONTRASTIVE_DEFAULT_TOP_K if strategy == "contrastive" else 0
+    default_k = CONTRASTIVE_DEFAULT_TOP_K if strategy is DecodingStrategy.CONTRASTIVE else 0
     top_k = _integer("top_k", p.get("top_k", default_k))
-    _in_range("top_k", top_k, 1 if strategy == "contrastive" else 0, limits.vocab_size)
+    _in_range("top_k", top_k, 1 if strategy is DecodingStrategy.CONTRASTIVE else 0, limits.vocab_size)
     top_p = _number("top_p", p.get("top_p", 1.0))
     _in_range("top_p", top_p, 0, 1, lo_open=True)
     typical_p = _number("typical_p", p.get("typical_p", 1.0))

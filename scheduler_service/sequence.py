@@ -63,7 +63,7 @@ class Sequence:
     cached_tokens: int = 0
     pin_tokens: int = 0  # leading tokens of the cached_prompt (pinned in the prefix cache)
     sampling_seed: int | None = None  # fixed at admission so a re-prefill draws the same
-    pending: int = 0  # tokens of this sequence in Steps sent but not yet answered
+    in_flight: int = 0  # tokens of this sequence in Steps sent but not yet answered
     released: bool = False  # the worker was told to drop it (its last token is in flight)
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None
@@ -73,15 +73,15 @@ class Sequence:
 
     @property
     def length(self) -> int:
-        """KV length once the Steps in flight are answered: prompt, generated and pending
+        """KV length once the Steps in flight are answered: prompt, generated and in-flight
         tokens (what the partition balances)."""
-        return len(self.prompt_ids) + len(self.output_ids) + self.pending
+        return len(self.prompt_ids) + len(self.output_ids) + self.in_flight
 
     @property
     def advancing(self) -> bool:
         """Whether it needs another Step: its length limit is not met by the tokens
         received and those in flight (an EOS or stop string may still end it sooner)."""
-        return len(self.output_ids) + self.pending < self.params.max_new_tokens
+        return len(self.output_ids) + self.in_flight < self.params.max_new_tokens
 
     @property
     def reserved_tokens(self) -> int:

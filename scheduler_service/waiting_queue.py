@@ -25,9 +25,17 @@ class WaitingQueue:
     def __iter__(self) -> Iterator[Sequence]:
         return iter(self._items)
 
+    def check_room(self, n: int = 1) -> None:
+        """Raise QueueFull unless `n` more requests fit."""
+        if len(self._items) + n > self.max_size:
+            if n == 1 or len(self._items) >= self.max_size:
+                raise QueueFull(f"the waiting queue is full ({self.max_size} requests); "
+                                "retry later")
+            raise QueueFull(f"{n} prompts do not fit the waiting queue ({len(self._items)} of "
+                            f"{self.max_size} places taken); send fewer or retry later")
+
     def push(self, seq: Sequence) -> None:
-        if len(self._items) >= self.max_size:
-            raise QueueFull(f"the waiting queue is full ({self.max_size} requests); retry later")
+        self.check_room()
         self._items.append(seq)
 
     def push_front(self, seqs: list[Sequence]) -> None:

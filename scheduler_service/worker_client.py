@@ -1,17 +1,95 @@
-"""The scheduler's connection to one worker (seqserve.worker.v1 over gRPC)."""
+"""The scheduler's connection to one worker (seqserve.worker.v1 over gRPC).
+
+This is the scheduler's only edge with the worker: a StepPlan goes out as a StepRequest,
+a StepResponse comes back as a StepAnswer, and Info as WorkerInfo. Nothing else in the
+scheduler touches worker protos.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 
+from scheduler_service.batch_plan import StepPlan
 from seqserve_common.control_channel import GRPC_MESSAGE_OPTIONS
 from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """The model and memory facts the scheduler plans with."""
+
+    model_id: str
+    architecture: str
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    max_position_embeddings: int
+    dtype: str
+    device: str
+    kv_capacity_tokens: int  # KV tokens, padding included, the worker's budget holds
+
+    @classmethod
+    def from_proto(cls, info: worker_pb2.InfoResponse) -> "WorkerInfo":
+        return cls(info.model_id, info.architecture, info.vocab_size,
+                   frozenset(info.eos_token_ids), info.max_position_embeddings, info.dtype,
+                   info.device, info.kv_capacity_tokens)
+
+
+@dataclass(frozen=True)
+class StepToken:
+    """The token one sequence produced in a Step."""
+
+    seq_id: int
+    token_id: int
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache (first token)
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class StepAnswer:
+    """The worker's answer to one Step."""
+
+    step_id: int
+    tokens: list[StepToken]
+    worker_seconds: float
+    regroup_bytes: int = 0
+    kv_slots: int = 0  # KV slots of every group, padding included
+    kv_tokens: int = 0  # KV tokens of live sequences
+    prefix_cache_bytes: int = 0
+
+    @classmethod
+    def from_proto(cls, r: worker_pb2.StepResponse) -> "StepAnswer":
+        tokens = [StepToken(t.sequence_id, t.token_id, t.cached_tokens,
+                            t.logprob if t.HasField("logprob") else None,
+                            tuple((a.id, a.logprob) for a in t.top_logprobs))
+                  for t in r.tokens]
+        return cls(r.step_id, tokens, r.worker_seconds, r.regroup_bytes, r.kv_slots,
+                   r.kv_tokens, r.prefix_cache_bytes)
+
+
+def encode_step(step_id: int, plan: StepPlan) -> worker_pb2.StepRequest:
+    """The Step message of a plan. A prefilled sequence sends its prompt and the tokens it
+    generated before (a re-admission after a worker failure resumes where it was)."""
+    prefill = []
+    for s in plan.prefill:
+        p = s.params
+        prefill.append(worker_pb2.NewSequence(
+            sequence_id=s.seq_id, token_ids=s.prompt_ids + s.output_ids,
+            num_generated=len(s.output_ids), pin_tokens=s.pin_tokens,
+            params=worker_pb2.SamplingParams(
+                strategy=p.strategy.to_proto(), temperature=p.temperature, top_k=p.top_k,
+                top_p=p.top_p, typical_p=p.typical_p, repetition_penalty=p.repetition_penalty,
+                seed=s.sampling_seed, penalty_alpha=p.penalty_alpha, logprobs=p.logprobs)))
+    return worker_pb2.StepRequest(
+        step_id=step_id, release=plan.release, prefill=prefill,
+        groups=[worker_pb2.Group(sequence_ids=g) for g in plan.groups])
 
 
 class WorkerUnavailable(RuntimeError):
@@ -33,22 +111,22 @@ class StepStream:
     def __init__(self, stub: worker_pb2_grpc.WorkerStub):
         self._call = stub.Steps()
 
-    async def send(self, request: worker_pb2.StepRequest) -> None:
+    async def send(self, step_id: int, plan: StepPlan) -> None:
         try:
-            await self._call.write(request)
+            await self._call.write(encode_step(step_id, plan))
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             # A write that meets a call the worker already ended fails as INTERNAL; the
             # call's own status says why it ended.
             raise await self._ended() from None
 
-    async def receive(self) -> worker_pb2.StepResponse:
+    async def receive(self) -> StepAnswer:
         try:
             response = await self._call.read()
         except grpc.aio.AioRpcError as exc:
             raise StepFailed(exc.code().name, exc.details() or "") from None
         if response is grpc.aio.EOF:
             raise await self._ended()
-        return response
+        return StepAnswer.from_proto(response)
 
     async def _ended(self) -> StepFailed:
         code = await self._call.code()
@@ -60,8 +138,8 @@ class StepStream:
 
 class WorkerClient:
     def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None):
-        """`credentials`: grpc.ssl_channel_credentials for mutual TLS (seqserve_common.tls.TlsFiles
-        .channel_credentials()); None: a plaintext channel."""
+        """`credentials`: mutual TLS (seqserve_common.tls.TlsFiles.channel_credentials());
+        None: a plaintext channel."""
         self.address = address
         options = [
             *GRPC_MESSAGE_OPTIONS,
@@ -74,7 +152,7 @@ class WorkerClient:
         else:
             self.channel = grpc.aio.secure_channel(address, credentials, options=options)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
-        self.info: worker_pb2.InfoResponse | None = None
+        self.info: WorkerInfo | None = None
 
     def open_steps(self) -> StepStream:
         return StepStream(self.stub)
@@ -82,13 +160,14 @@ class WorkerClient:
     async def reset(self) -> None:
         await self.stub.Reset(worker_pb2.ResetRequest(), timeout=30)
 
-    async def wait_ready(self, timeout: float | None) -> worker_pb2.InfoResponse:
+    async def wait_ready(self, timeout: float | None) -> WorkerInfo:
         """Poll Info until the worker has its model loaded; then drop its old sequences."""
         deadline = None if timeout is None else time.monotonic() + timeout
         last_log = 0.0
         while True:
             try:
-                info = await self.stub.Info(worker_pb2.InfoRequest(), timeout=2)
+                info = WorkerInfo.from_proto(
+                    await self.stub.Info(worker_pb2.InfoRequest(), timeout=2))
                 await self.reset()
                 self.info = info
                 logger.info("worker %s ready: %s (%s, %s)", self.address,

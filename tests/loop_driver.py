@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from seqserve_common.decoding import DecodingStrategy
 from scheduler_service.detokenizer import IncrementalDetokenizer, StopMatcher
 from scheduler_service.loop import IterationLoop
 from scheduler_service.params import DecodingConfig
@@ -13,7 +14,7 @@ from scheduler_service.sequence import FinishEvent, Sequence
 def greedy_sequence(loop: IterationLoop, tok, text: str, max_new_tokens: int) -> Sequence:
     ids = tok(text).input_ids
     return Sequence(seq_id=loop.new_seq_id(), request_id=text, prompt_ids=ids,
-                    params=DecodingConfig(max_new_tokens=max_new_tokens, strategy="greedy"),
+                    params=DecodingConfig(max_new_tokens=max_new_tokens, strategy=DecodingStrategy.GREEDY),
                     detokenizer=IncrementalDetokenizer(tok, ids), stops=StopMatcher(()))
 
 

@@ -674,13 +674,13 @@ def test_recovery_isolates_a_request_the_worker_cannot_run():
     from scheduler_service.loop import IterationLoop
     from scheduler_service.metrics import SchedulerMetrics
     from scheduler_service.sequence import FinishReason
-    from scheduler_service.worker_client import StepFailed
+    from scheduler_service.worker_client import StepAnswer, StepFailed, StepToken, WorkerInfo
     from tests.loop_driver import greedy_sequence, run_to_the_end
-    from seqserve.worker.v1 import worker_pb2
 
     tok = tokenizer(str(tiny_model("llama")))
-    info = worker_pb2.InfoResponse(eos_token_ids=[0], kv_capacity_tokens=10000,
-                                   vocab_size=VOCAB, max_position_embeddings=CONTEXT)
+    info = WorkerInfo("fake", "FakeForCausalLM", vocab_size=VOCAB, eos_token_ids=frozenset([0]),
+                      max_position_embeddings=CONTEXT, dtype="float32", device="cpu",
+                      kv_capacity_tokens=10000)
 
     class FailingStream:
         """The Steps stream of a worker that fails any Step holding the poisoned sequence;
@@ -689,22 +689,22 @@ def test_recovery_isolates_a_request_the_worker_cannot_run():
         def __init__(self, worker):
             self.worker, self.sent, self.broken = worker, [], False
 
-        async def send(self, request):
+        async def send(self, step_id, plan):
             if self.broken:
                 raise StepFailed("CANCELLED", "the stream ended")
-            self.sent.append(request)
+            self.sent.append((step_id, plan))
 
         async def receive(self):
             await asyncio.sleep(0)
-            request = self.sent.pop(0)
+            step_id, plan = self.sent.pop(0)
             self.worker.steps += 1
-            live = {i for g in request.groups for i in g.sequence_ids}
+            live = {i for g in plan.groups for i in g}
             if self.worker.poison in live:
                 self.worker.failed += 1
                 self.broken = True
                 raise StepFailed("UNKNOWN", "probability tensor has nan")
-            return worker_pb2.StepResponse(step_id=request.step_id, tokens=[
-                worker_pb2.SequenceToken(sequence_id=i, token_id=5) for i in sorted(live)])
+            return StepAnswer(step_id, [StepToken(i, 5, cached_tokens=0) for i in sorted(live)],
+                              worker_seconds=0.0)
 
         def close(self):
             self.broken = True
@@ -722,7 +722,8 @@ def test_recovery_isolates_a_request_the_worker_cannot_run():
     async def scenario():
         worker = FailingWorker(poison=3)
         loop = IterationLoop(worker, max_rolling_batch_size=8, max_queue=16, max_sparsity=0.5,
-                             max_splits=2, worker_timeout=5, metrics=SchedulerMetrics())
+                             max_splits=2, worker_timeout=5, metrics=SchedulerMetrics(),
+                             max_prefill_tokens=4096, steps_in_flight=2)
         seqs = [greedy_sequence(loop, tok, f"request number {i}", 5) for i in range(6)]
         task, ends = await run_to_the_end(loop, seqs)
         loop.stop()
@@ -738,15 +739,18 @@ def test_recovery_isolates_a_request_the_worker_cannot_run():
     assert worker.failed == 3 and worker.steps < 40
 
 
-def test_servicer_parses_requests_itself():
-    """servicer.add_to_server registers the Generation service with the request parsed in
+def test_grpc_api_parses_requests_itself():
+    """grpc_api.add_to_server registers the Generation service with the request parsed in
     the handler: bytes that do not parse get INVALID_ARGUMENT naming the problem (grpc's
     own parsing answers UNKNOWN), and parsable ones go on to the usual checks."""
-    from scheduler_service.servicer import GenerationServicer, add_to_server
+    from scheduler_service.frontend import Frontend
+    from scheduler_service.grpc_api import GenerationServicer, add_to_server
+    from scheduler_service.metrics import SchedulerMetrics
 
     async def scenario():
         server = grpc.aio.server()
-        add_to_server(GenerationServicer(), server)  # state None: "starting" after parsing
+        # No serving state: "starting" after parsing.
+        add_to_server(GenerationServicer(Frontend(SchedulerMetrics())), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         out = []

@@ -12,8 +12,7 @@ from transformers import AutoTokenizer
 from scheduler_service.loop import IterationLoop
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.sequence import FinishReason
-from scheduler_service.worker_client import StepFailed
-from seqserve.worker.v1 import worker_pb2
+from scheduler_service.worker_client import StepAnswer, StepFailed, StepToken, WorkerInfo
 from tests.conftest import tiny_model
 from tests.loop_driver import greedy_sequence, run_to_the_end
 
@@ -26,30 +25,30 @@ class RuleKeepingStream:
 
     def __init__(self, worker):
         self.worker = worker
-        self.queued: list[worker_pb2.StepRequest] = []
+        self.queued: list = []
 
-    async def send(self, request):
-        self.queued.append(request)
+    async def send(self, step_id, plan):
+        self.queued.append((step_id, plan))
         self.worker.max_outstanding = max(self.worker.max_outstanding, len(self.queued))
 
     async def receive(self):
         await asyncio.sleep(0)  # let the loop's other tasks run, as a real round trip would
         w = self.worker
-        request = self.queued.pop(0)
-        for sid in request.release:
+        step_id, plan = self.queued.pop(0)
+        for sid in plan.release:
             if sid not in w.live:
                 raise StepFailed("FAILED_PRECONDITION", f"release of unknown sequence {sid}")
             w.live.discard(sid)
-        w.live |= {ns.sequence_id for ns in request.prefill}
-        grouped = [sid for g in request.groups for sid in g.sequence_ids]
+        w.live |= {s.seq_id for s in plan.prefill}
+        grouped = [sid for g in plan.groups for sid in g]
         if sorted(grouped) != sorted(w.live):
             raise StepFailed("FAILED_PRECONDITION", f"groups {grouped} != live {sorted(w.live)}")
         tokens = []
         for sid in grouped:
             w.forwards[sid] = w.forwards.get(sid, 0) + 1
             token = EOS if (sid == w.eos_seq and w.forwards[sid] == w.eos_at) else TOKEN
-            tokens.append(worker_pb2.SequenceToken(sequence_id=sid, token_id=token))
-        return worker_pb2.StepResponse(step_id=request.step_id, tokens=tokens)
+            tokens.append(StepToken(sid, token, cached_tokens=0))
+        return StepAnswer(step_id, tokens, worker_seconds=0.0)
 
     def close(self):
         pass
@@ -57,8 +56,9 @@ class RuleKeepingStream:
 
 class RuleKeepingWorker:
     def __init__(self, eos_seq: int, eos_at: int):
-        self.info = worker_pb2.InfoResponse(eos_token_ids=[EOS], kv_capacity_tokens=100000,
-                                            vocab_size=1000, max_position_embeddings=2048)
+        self.info = WorkerInfo("fake", "FakeForCausalLM", vocab_size=1000,
+                               eos_token_ids=frozenset([EOS]), max_position_embeddings=2048,
+                               dtype="float32", device="cpu", kv_capacity_tokens=100000)
         self.live: set[int] = set()
         self.forwards: dict[int, int] = {}
         self.max_outstanding = 0

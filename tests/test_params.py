@@ -6,10 +6,11 @@ import math
 
 import pytest
 
+from seqserve_common.decoding import DecodingStrategy
 from scheduler_service.params import Limits, RequestError, check_text, resolve
 
 LIMITS = Limits(vocab_size=1000, max_position_embeddings=1024, max_new_tokens_limit=512,
-                default_max_new_tokens=64, default_strategy="greedy")
+                default_max_new_tokens=64, default_strategy=DecodingStrategy.GREEDY)
 
 
 def test_defaults_and_strategy_selection():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from seqserve_common.decoding import DecodingStrategy
 from scheduler_service.admission import Budget, FCFSAdmission
 from scheduler_service.batch_plan import BatchPlanner
 from scheduler_service.params import DecodingConfig
@@ -13,7 +14,7 @@ from scheduler_service.waiting_queue import QueueFull, WaitingQueue
 
 def seq(sid: int, prompt_len: int, max_new: int = 10, generated: int = 0) -> Sequence:
     s = Sequence(seq_id=sid, request_id=str(sid), prompt_ids=[1] * prompt_len,
-                 params=DecodingConfig(max_new_tokens=max_new, strategy="greedy"),
+                 params=DecodingConfig(max_new_tokens=max_new, strategy=DecodingStrategy.GREEDY),
                  detokenizer=None, stops=None)
     s.output_ids = [2] * generated
     return s

@@ -1,0 +1,151 @@
+"""The public gRPC API (seqserve.v1.Generation): an adapter over the front end."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import grpc
+from google.protobuf import message as pb_message
+from google.protobuf import unknown_fields
+
+from scheduler_service.frontend import Frontend, GenerationRequest, Unavailable
+from scheduler_service.params import RequestError
+from scheduler_service.sequence import FinishEvent, FinishReason, Sequence, TokenEvent
+from scheduler_service.waiting_queue import QueueFull
+from seqserve.v1 import generate_pb2, generate_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_FINISH = {FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
+           FinishReason.EOS: generate_pb2.FINISH_REASON_EOS,
+           FinishReason.STOP: generate_pb2.FINISH_REASON_STOP}
+_OPTIONAL = ("max_new_tokens", "decoding_strategy", "do_sample", "temperature", "top_k", "top_p",
+             "typical_p", "repetition_penalty", "seed", "ignore_eos", "penalty_alpha", "logprobs")
+
+
+def _params(p: generate_pb2.DecodingParameters) -> dict[str, Any]:
+    """The fields the client set (proto3 presence), as the front end's parameter mapping."""
+    out = {name: getattr(p, name) for name in _OPTIONAL if p.HasField(name)}
+    if p.stop:
+        out["stop"] = list(p.stop)
+    return out
+
+
+class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+    def __init__(self, frontend: Frontend):
+        self.frontend = frontend
+
+    async def _start(self, request, context) -> Sequence:
+        if isinstance(request, bytes):  # registered by add_to_server: parse it here
+            request = await _parse_request(request, context)
+        try:
+            if len(unknown_fields.UnknownFieldSet(request)) or (
+                    request.HasField("parameters")
+                    and len(unknown_fields.UnknownFieldSet(request.parameters))):
+                raise RequestError("the request has fields this server does not know; "
+                                   "check the client's seqserve.v1 proto")
+            seqs = await self.frontend.submit(GenerationRequest(
+                [request.inputs], _params(request.parameters), request.cached_prompt,
+                request.request_id))
+        except Unavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except RequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        return seqs[0]
+
+    async def Generate(self, request, context):
+        seq = await self._start(request, context)
+        async for event in self.frontend.events(seq):
+            if isinstance(event, TokenEvent):
+                yield generate_pb2.GenerateResponse(
+                    request_id=seq.request_id, token=_token(event), text=event.text)
+            else:
+                await _abort_on_error(event, context)
+                yield generate_pb2.GenerateResponse(
+                    request_id=seq.request_id, text=event.text,
+                    finish_reason=_FINISH[event.reason], usage=_usage(event))
+
+    async def GenerateUnary(self, request, context):
+        seq = await self._start(request, context)
+        texts, tokens = [], []
+        async for event in self.frontend.events(seq):
+            texts.append(event.text)
+            if isinstance(event, TokenEvent):
+                tokens.append(_token(event))
+            else:
+                await _abort_on_error(event, context)
+                return generate_pb2.GenerateReply(
+                    request_id=seq.request_id, generated_text="".join(texts),
+                    finish_reason=_FINISH[event.reason], usage=_usage(event), tokens=tokens)
+
+    async def ModelInfo(self, request, context):
+        try:
+            state = self.frontend.serving_state()
+        except Unavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        cfg, info = state.config, state.worker
+        return generate_pb2.ModelInfoResponse(
+            model_id=cfg.model_id, architecture=info.architecture, vocab_size=info.vocab_size,
+            max_position_embeddings=info.max_position_embeddings, dtype=info.dtype,
+            device=info.device, max_new_tokens_limit=state.limits.max_new_tokens_limit,
+            decoding_strategy=cfg.decoding_strategy,
+            max_rolling_batch_size=cfg.max_rolling_batch_size, max_sparsity=cfg.max_sparsity,
+            max_splits=cfg.max_splits, kv_budget_tokens=state.loop.kv_budget,
+            eos_token_ids=sorted(state.loop.eos_ids))
+
+
+async def _parse_request(data: bytes, context) -> generate_pb2.GenerateRequest:
+    # With the generated registration, grpc parses the request before the handler runs,
+    # and bytes that do not parse (a string field that is not UTF-8, a truncated message)
+    # come back as UNKNOWN with a traceback in the log. A malformed request is the
+    # client's fault: INVALID_ARGUMENT, naming the problem.
+    try:
+        return generate_pb2.GenerateRequest.FromString(data)
+    except pb_message.DecodeError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the request is not a valid seqserve.v1.GenerateRequest ({exc}); "
+                            "string fields must be valid UTF-8")
+
+
+def add_to_server(servicer: GenerationServicer, server) -> None:
+    """Register `servicer` like generate_pb2_grpc.add_GenerationServicer_to_server, but
+    with GenerateRequest parsed by the handlers, so undecodable bytes (invalid UTF-8 in a
+    string field, corrupt wire format) get INVALID_ARGUMENT instead of grpc's UNKNOWN."""
+    pb = generate_pb2
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=None,
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "GenerateUnary": grpc.unary_unary_rpc_method_handler(
+            servicer.GenerateUnary, request_deserializer=None,
+            response_serializer=pb.GenerateReply.SerializeToString),
+        "ModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.ModelInfo, request_deserializer=pb.ModelInfoRequest.FromString,
+            response_serializer=pb.ModelInfoResponse.SerializeToString),
+    }
+    name = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
+
+
+async def _abort_on_error(event: FinishEvent, context) -> None:
+    if event.reason == FinishReason.ERROR:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, event.error or "generation failed")
+
+
+def _token(event: TokenEvent) -> generate_pb2.Token:
+    tok = generate_pb2.Token(id=event.token_id)
+    if event.logprob is not None:
+        tok.logprob = event.logprob
+        tok.top_logprobs.extend(generate_pb2.TopLogprob(id=i, logprob=lp)
+                                for i, lp in (event.top or []))
+    return tok
+
+
+def _usage(event: FinishEvent) -> generate_pb2.Usage:
+    return generate_pb2.Usage(prompt_tokens=event.prompt_tokens,
+                              generated_tokens=event.generated_tokens,
+                              cached_tokens=event.cached_tokens)

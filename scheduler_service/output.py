@@ -1,0 +1,37 @@
+"""From the worker's tokens to what a client sees: detokenized text, stop strings, EOS and
+length limits, and the token and finish events a front end streams."""
+
+from __future__ import annotations
+
+from scheduler_service.sequence import FinishEvent, FinishReason, Sequence, TokenEvent
+from scheduler_service.worker_client import StepToken
+
+
+def emit_token(seq: Sequence, tok: StepToken, eos_ids: frozenset[int]) -> FinishReason | None:
+    """Append the token, stream its text, and say whether it ends the sequence."""
+    seq.output_ids.append(tok.token_id)
+    text, stopped = seq.stops.feed(seq.detokenizer.add(tok.token_id))
+    top = list(tok.top_logprobs) if tok.logprob is not None else None
+    seq.events.put_nowait(TokenEvent(tok.token_id, text, tok.logprob, top))
+    if stopped:
+        return FinishReason.STOP
+    if tok.token_id in eos_ids and not seq.params.ignore_eos:
+        return FinishReason.EOS
+    if len(seq.output_ids) >= seq.params.max_new_tokens:
+        return FinishReason.LENGTH
+    return None
+
+
+def emit_finish(seq: Sequence, reason: FinishReason, error: str | None = None) -> FinishReason:
+    """Release the text held back and send the finish event; returns the final reason (a
+    stop string completed by the held-back text turns EOS or LENGTH into STOP)."""
+    tail = ""
+    if reason in (FinishReason.EOS, FinishReason.LENGTH):
+        tail, stopped = seq.stops.feed(seq.detokenizer.flush())
+        if stopped:
+            reason = FinishReason.STOP
+        else:
+            tail += seq.stops.flush()
+    seq.events.put_nowait(FinishEvent(reason, tail, len(seq.prompt_ids), len(seq.output_ids),
+                                      seq.cached_tokens, error))
+    return reason
