@@ -10,9 +10,9 @@ import torch
 
 from tests import reference
 from tests.conftest import ARCHITECTURES, tiny_model
-from worker_service.engine import Engine, NewSequence, StepError
+from worker_service.engine import Engine, PrefillSpec, StepError
 from worker_service.model_runner import ModelRunner
-from worker_service.sequence import SamplingParams
+from worker_service.sequence import DecodingParams
 
 
 def _reference(model_dir, ids: list[int], n: int) -> list[int]:
@@ -42,7 +42,7 @@ def test_random_plans_match_generate(arch):
         for _ in range(2):
             if pending:
                 i = pending.pop(0)
-                new.append(NewSequence(i, reqs[i][0], 0, SamplingParams()))
+                new.append(PrefillSpec(i, reqs[i][0], 0, DecodingParams()))
                 running.add(i)
         ids = sorted(running)
         rng.shuffle(ids)
@@ -65,7 +65,7 @@ def test_random_plans_match_generate(arch):
 
 def test_unchanged_plan_copies_nothing(llama_dir):
     engine = Engine(ModelRunner(str(llama_dir)))
-    seqs = [NewSequence(i, list(range(5, 5 + 10 * (i + 1))), 0, SamplingParams()) for i in range(4)]
+    seqs = [PrefillSpec(i, list(range(5, 5 + 10 * (i + 1))), 0, DecodingParams()) for i in range(4)]
     plan = [[0, 1], [2, 3]]
     engine.step([], seqs, plan)
     for _ in range(80):  # crosses the 64-slot allocation boundary at least once
@@ -79,7 +79,7 @@ def test_unchanged_plan_copies_nothing(llama_dir):
 
 def test_step_rejects_inconsistent_plans(llama_dir):
     engine = Engine(ModelRunner(str(llama_dir)))
-    engine.step([], [NewSequence(1, [5, 6, 7], 0, SamplingParams())], [[1]])
+    engine.step([], [PrefillSpec(1, [5, 6, 7], 0, DecodingParams())], [[1]])
     with pytest.raises(StepError, match="unknown"):
         engine.step([], [], [[1, 2]])
     with pytest.raises(StepError, match="more than one group"):
@@ -87,7 +87,7 @@ def test_step_rejects_inconsistent_plans(llama_dir):
     with pytest.raises(StepError, match="in no group"):
         engine.step([], [], [])
     with pytest.raises(StepError, match="already exists"):
-        engine.step([], [NewSequence(1, [5], 0, SamplingParams())], [[1]])
+        engine.step([], [PrefillSpec(1, [5], 0, DecodingParams())], [[1]])
 
 
 def test_prepacked_linears_change_no_bit():
@@ -109,10 +109,10 @@ def test_prepacked_linears_change_no_bit():
     for runner in (packed, plain):
         engine = Engine(runner)
         tokens = []
-        engine.step([], [NewSequence(i, p, 0, SamplingParams(logprobs=5)) for i, p in enumerate(prompts[:3])],
+        engine.step([], [PrefillSpec(i, p, 0, DecodingParams(logprobs=5)) for i, p in enumerate(prompts[:3])],
                     [[0, 1], [2]])
         for step in range(6):
-            new = [NewSequence(3 + step, prompts[3 + step], 0, SamplingParams(logprobs=5))] if step < 3 else []
+            new = [PrefillSpec(3 + step, prompts[3 + step], 0, DecodingParams(logprobs=5))] if step < 3 else []
             live = sorted(engine.sequences) + [n.seq_id for n in new]
             result = engine.step([], new, [live[::2], live[1::2]])
             tokens.append(sorted((t.seq_id, t.token_id, t.logprob, t.top) for t in result.tokens))
@@ -267,10 +267,10 @@ def test_float32_kv_of_a_bfloat16_model_gives_its_tokens(monkeypatch):
         assert runner.kv_shape.dtype == getattr(torch, kv_dtype)
         engine = Engine(runner)
         steps = []
-        engine.step([], [NewSequence(i, p, 0, SamplingParams(logprobs=0)) for i, p in
+        engine.step([], [PrefillSpec(i, p, 0, DecodingParams(logprobs=0)) for i, p in
                          enumerate(prompts[:3])], [[0, 1], [2]])
         for step in range(8):
-            new = [NewSequence(3 + step, prompts[3 + step], 0, SamplingParams(logprobs=0))] if step < 3 else []
+            new = [PrefillSpec(3 + step, prompts[3 + step], 0, DecodingParams(logprobs=0))] if step < 3 else []
             live = sorted(engine.sequences) + [n.seq_id for n in new]
             result = engine.step([], new, [live[::2], live[1::2]])
             steps.append(sorted((t.seq_id, t.token_id, t.logprob) for t in result.tokens))

@@ -8,10 +8,10 @@ from transformers.models.llama import modeling_llama
 
 from tests.conftest import tiny_model
 from worker_service.kernels import fused_layers
-from worker_service.engine import Engine, NewSequence
+from worker_service.engine import Engine, PrefillSpec
 from worker_service.fixtures import make_model
 from worker_service.model_runner import ModelRunner
-from worker_service.sequence import SamplingParams
+from worker_service.sequence import DecodingParams
 
 
 def bf16_model(arch: str):
@@ -87,7 +87,7 @@ def test_tokens_with_and_without_the_c_loops(monkeypatch):
             monkeypatch.setattr(fused_layers, "_loaded", [None])
         runner = ModelRunner(str(bf16_model("qwen2")), dtype="bfloat16")
         engine = Engine(runner)
-        steps = [engine.step([], [NewSequence(i, p, 0, SamplingParams(logprobs=0))
+        steps = [engine.step([], [PrefillSpec(i, p, 0, DecodingParams(logprobs=0))
                                   for i, p in enumerate(prompts)], [[0, 1], [2, 3]])]
         for _ in range(6):
             steps.append(engine.step([], [], [[0, 1], [2, 3]]))

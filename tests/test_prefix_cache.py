@@ -10,10 +10,10 @@ import pytest
 from client import Client
 from tests import reference
 from tests.test_splitting import scrape
-from worker_service.engine import Engine, NewSequence
+from worker_service.engine import Engine, PrefillSpec
 from worker_service.model_runner import ModelRunner
 from worker_service.prefix_cache import PrefixCache
-from worker_service.sequence import SamplingParams
+from worker_service.sequence import DecodingParams
 
 BLOCK = 16
 
@@ -36,7 +36,7 @@ def generate(engine: Engine, prompts: dict[int, list[int]], n: int, arrive_every
         if pending and (arrive_every == 0 or step % arrive_every == 0):
             batch = pending if arrive_every == 0 else pending[:1]
             for sid in list(batch):
-                new.append(NewSequence(sid, prompts[sid], 0, SamplingParams()))
+                new.append(PrefillSpec(sid, prompts[sid], 0, DecodingParams()))
                 pending.remove(sid)
                 live.append(sid)
         result = engine.step([], new, [list(live)])
@@ -79,9 +79,9 @@ def test_cached_tokens_are_reported_per_sequence(runner):
     cache = PrefixCache(runner.kv_shape, 64 << 20, BLOCK)
     engine = Engine(runner, cache)
     prompt = list(range(10, 10 + 50))
-    first = engine.step([], [NewSequence(1, prompt, 0, SamplingParams())], [[1]])
+    first = engine.step([], [PrefillSpec(1, prompt, 0, DecodingParams())], [[1]])
     assert first.tokens[0].cached_tokens == 0
-    second = engine.step([], [NewSequence(2, prompt + [5, 6], 0, SamplingParams())], [[1, 2]])
+    second = engine.step([], [PrefillSpec(2, prompt + [5, 6], 0, DecodingParams())], [[1, 2]])
     by_id = {t.seq_id: t for t in second.tokens}
     assert by_id[2].cached_tokens == 48  # three whole blocks of the 50 shared tokens
 

@@ -16,7 +16,7 @@ from worker_service.kv_groups import KVGroup
 from worker_service.model_runner import ModelRunner
 from worker_service.packed_batch import PackedBatch, RowSegment
 from worker_service.prefix_cache import PrefixCache
-from worker_service.sequence import SamplingParams, SequenceState
+from worker_service.sequence import DecodingParams, GeneratedToken, SequenceState
 
 logger = logging.getLogger(__name__)
 
@@ -26,26 +26,20 @@ class StepError(ValueError):
 
 
 @dataclass
-class NewSequence:
+class PrefillSpec:
+    """A sequence the Step admits: its tokens so far (prompt, and any generated before a
+    re-admission), which the step prefills, and how it decodes."""
+
     seq_id: int
     token_ids: list[int]
     num_generated: int
-    params: SamplingParams
+    params: DecodingParams
     pin_tokens: int = 0  # leading tokens from a cached_prompt: their blocks are pinned
 
 
 @dataclass
-class TokenOut:
-    seq_id: int
-    token_id: int
-    logprob: float | None = None
-    top: list[tuple[int, float]] | None = None
-    cached_tokens: int = 0
-
-
-@dataclass
 class StepResult:
-    tokens: list[TokenOut] = field(default_factory=list)
+    tokens: list[GeneratedToken] = field(default_factory=list)
     forward_seconds: float = 0.0
     sampling_seconds: float = 0.0
     regroup_seconds: float = 0.0
@@ -70,7 +64,7 @@ class Engine:
         self.device = runner.device
         self.sequences: dict[int, SequenceState] = {}
         self.groups: list[KVGroup] = []
-        self.where: dict[int, KVGroup] = {}
+        self.group_of: dict[int, KVGroup] = {}
 
     # --- bookkeeping -----------------------------------------------------------------
 
@@ -79,7 +73,7 @@ class Engine:
             self.prefix_cache.clear()
         self.sequences.clear()
         self.groups.clear()
-        self.where.clear()
+        self.group_of.clear()
 
     def warm_up(self, num_tokens: int, chunk: int = 256, premap_bytes: int = 0) -> float:
         """Prefill `num_tokens` throwaway tokens in one forward, as the largest step the
@@ -122,13 +116,13 @@ class Engine:
 
     def release(self, seq_id: int) -> None:
         self.sequences.pop(seq_id, None)
-        group = self.where.pop(seq_id, None)
+        group = self.group_of.pop(seq_id, None)
         if group is not None:
             group.remove_row(group.row_of(seq_id))
 
     # --- the step --------------------------------------------------------------------
 
-    def step(self, release: list[int], prefill: list[NewSequence],
+    def step(self, release: list[int], prefill: list[PrefillSpec],
              plan: list[list[int]]) -> StepResult:
         t0 = time.perf_counter()
         result = StepResult()
@@ -147,8 +141,7 @@ class Engine:
         for ns in prefill:
             self.sequences[ns.seq_id] = SequenceState(
                 seq_id=ns.seq_id, token_ids=list(ns.token_ids), num_generated=ns.num_generated,
-                params=ns.params, prompt_length=len(ns.token_ids) - ns.num_generated,
-                pin_tokens=ns.pin_tokens)
+                params=ns.params, pin_tokens=ns.pin_tokens)
         groups, old_counts, dropped_bytes = self._regroup(plan, new_ids)
         result.regroup_seconds = time.perf_counter() - t0
         self._run(groups, old_counts, result)
@@ -188,7 +181,7 @@ class Engine:
         for i, members in enumerate(olds):
             counts: dict[int, int] = {}
             for sid in members:
-                gid = id(self.where[sid])
+                gid = id(self.group_of[sid])
                 counts[gid] = counts.get(gid, 0) + 1
             overlaps += [(n, i, gid) for gid, n in counts.items()]
         by_id = {id(g): g for g in self.groups}
@@ -201,18 +194,18 @@ class Engine:
         groups = [target.get(i) or KVGroup(self.runner.kv_shape) for i in range(len(plan))]
         moves = []
         for members, group in zip(olds, groups):
-            incoming = [sid for sid in members if self.where[sid] is not group]
+            incoming = [sid for sid in members if self.group_of[sid] is not group]
             if incoming:
                 # Room for every incoming row at once, not one reallocation per row.
                 group.ensure_capacity(group.rows + len(incoming), 1 + max(
-                    self.where[sid].lengths[self.where[sid].row_of(sid)] for sid in incoming))
+                    self.group_of[sid].lengths[self.group_of[sid].row_of(sid)] for sid in incoming))
             for sid in incoming:
-                src = self.where[sid]
+                src = self.group_of[sid]
                 group.add_row_from(src, src.row_of(sid))
                 moves.append((src, sid, group))
         for src, sid, group in moves:
             src.remove_row(src.row_of(sid))
-            self.where[sid] = group
+            self.group_of[sid] = group
         dropped = 0
         for g in self.groups:
             if not any(g is x for x in groups):
@@ -228,7 +221,7 @@ class Engine:
                                       max(self._reserve_length(sid) for sid in fresh))
             for sid in fresh:
                 group.add_empty_row(sid, self._reserve_length(sid))
-                self.where[sid] = group
+                self.group_of[sid] = group
             if moves:
                 group.trim()
         self.groups = groups
@@ -269,7 +262,7 @@ class Engine:
                 while end < n_old and not self._seq(group, end).contrastive:
                     end += 1
                 seqs = [self._seq(group, x) for x in range(r, end)]
-                seg = batch.add_decode(group, r, end, [s.pending for s in seqs])
+                seg = batch.add_decode(group, r, end, [s.next_input for s in seqs])
                 direct += [(s, seg.token_start + i) for i, s in enumerate(seqs)]
                 decoded += [(group, x) for x in range(r, end)]
                 r = end
@@ -361,11 +354,11 @@ class Engine:
         """Greedy and sampled sequences: choose from their logits rows [len(seqs), V]."""
         t = time.perf_counter()
         chosen = sampling.choose_tokens(logits, seqs)
-        for s, c in zip(seqs, chosen):
-            s.accept(c.token_id)
-            s.pending = c.token_id
-            result.tokens.append(TokenOut(s.seq_id, c.token_id, c.logprob, c.top,
-                                          s.cached_tokens))
+        for s, token in zip(seqs, chosen):
+            s.accept(token.token_id)
+            s.next_input = token.token_id
+            token.cached_tokens = s.cached_tokens
+            result.tokens.append(token)
         result.sampling_seconds += time.perf_counter() - t
 
     def _pick_candidate(self, group: KVGroup, row: int, seq: SequenceState, cand_ids: list[int],
@@ -378,7 +371,7 @@ class Engine:
             group.copy_slot(row, start + best, start)
         group.lengths[row] = start + 1
         token = cand_ids[best]
-        out = TokenOut(seq.seq_id, token)
+        out = GeneratedToken(seq.seq_id, token)
         if seq.params.logprobs >= 0:
             out.logprob, out.top = sampling.logprob_info(seq.next_logits, token,
                                                           seq.params.logprobs)

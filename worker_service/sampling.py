@@ -8,25 +8,15 @@ result does not depend on the batch, the group or when the request arrived.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from worker_service.sequence import SamplingParams, SequenceState, Strategy
+from seqserve_common.decoding import DecodingStrategy
+from worker_service.sequence import DecodingParams, GeneratedToken, SequenceState
 
 _MASK = float("-inf")
 # Below this, temperature only sharpens further toward the argmax; dividing float32
 # logits by 1e-300 would instead give inf - inf = NaN probabilities.
 MIN_TEMPERATURE = 1e-6
-
-
-@dataclass
-class Choice:
-    """The token chosen for one sequence, with log-probabilities when asked for."""
-
-    token_id: int
-    logprob: float | None = None
-    top: list[tuple[int, float]] | None = None
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -38,7 +28,7 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     return logits.scatter(-1, seen, scores)
 
 
-def warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+def warp(logits: torch.Tensor, p: DecodingParams) -> torch.Tensor:
     """Temperature, top-k, top-p and typical-p, in Hugging Face's order, on one row [V]."""
     if p.temperature != 1.0:
         logits = logits / max(p.temperature, MIN_TEMPERATURE)
@@ -93,20 +83,20 @@ def processed_logits(logits: torch.Tensor, seq: SequenceState) -> torch.Tensor:
     return logits
 
 
-def choose_tokens(logits: torch.Tensor, seqs: list[SequenceState]) -> list[Choice]:
+def choose_tokens(logits: torch.Tensor, seqs: list[SequenceState]) -> list[GeneratedToken]:
     """Pick the next token of greedy and sampled sequences from their logits [m, V]."""
     logits = logits.float()
-    choices: list[Choice | None] = [None] * len(seqs)
+    choices: list[GeneratedToken | None] = [None] * len(seqs)
     simple = [i for i, s in enumerate(seqs) if not s.params.needs_processing]
     if simple:
         ids = logits[simple].argmax(-1).tolist()
         for i, t in zip(simple, ids):
-            choices[i] = Choice(t)
+            choices[i] = GeneratedToken(seqs[i].seq_id, t)
     for i, s in enumerate(seqs):
         if choices[i] is not None:
             continue
         row = processed_logits(logits[i], s)
-        if s.params.strategy == Strategy.SAMPLE:
+        if s.params.strategy == DecodingStrategy.SAMPLE:
             probs = torch.softmax(warp(row, s.params), -1)
             if bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0:
                 g = token_generator(s.params.seed, s.num_generated, row.device)
@@ -117,7 +107,7 @@ def choose_tokens(logits: torch.Tensor, seqs: list[SequenceState]) -> list[Choic
                 t = int(row.argmax())
         else:
             t = int(row.argmax())
-        choices[i] = Choice(t)
+        choices[i] = GeneratedToken(s.seq_id, t)
     for i, s in enumerate(seqs):
         if s.params.logprobs >= 0:
             lp, top = logprob_info(logits[i], choices[i].token_id, s.params.logprobs)

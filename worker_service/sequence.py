@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
 
 import torch
 
-
-class Strategy(IntEnum):
-    """Decoding strategy; values match seqserve.worker.v1.SamplingParams.Strategy."""
-
-    GREEDY = 0
-    SAMPLE = 1
-    CONTRASTIVE = 2
+from seqserve_common.decoding import DecodingStrategy
 
 
 @dataclass(frozen=True)
-class SamplingParams:
+class DecodingParams:
     """Validated decoding parameters of one sequence (the scheduler checked the ranges)."""
 
-    strategy: Strategy = Strategy.GREEDY
+    strategy: DecodingStrategy = DecodingStrategy.GREEDY
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -33,25 +26,25 @@ class SamplingParams:
     @property
     def needs_processing(self) -> bool:
         """Whether logits need more than an argmax (penalties, warpers or sampling)."""
-        return self.strategy != Strategy.GREEDY or self.repetition_penalty != 1.0
+        return self.strategy != DecodingStrategy.GREEDY or self.repetition_penalty != 1.0
 
 
 @dataclass
 class SequenceState:
     """A running sequence on the worker.
 
-    Greedy and sampled sequences keep their last token `pending`: it is fed to the next
-    forward, which writes its KV. Contrastive sequences already hold the chosen token's KV
-    (written while scoring candidates) and keep the distribution for the next token and
-    the last-layer hidden states of every token, which the degeneration penalty needs.
+    Greedy and sampled sequences keep their last token as `next_input`: it is fed to the
+    next forward, which writes its KV. Contrastive sequences already hold the chosen
+    token's KV (written while scoring candidates) and keep the distribution for the next
+    token and the last-layer hidden states of every token, which the degeneration penalty
+    needs.
     """
 
     seq_id: int
     token_ids: list[int]
     num_generated: int
-    params: SamplingParams
-    prompt_length: int
-    pending: int | None = None
+    params: DecodingParams
+    next_input: int | None = None
     next_logits: torch.Tensor | None = None
     context_hidden: torch.Tensor | None = None
     context_len: int = 0
@@ -61,7 +54,7 @@ class SequenceState:
 
     @property
     def contrastive(self) -> bool:
-        return self.params.strategy == Strategy.CONTRASTIVE
+        return self.params.strategy == DecodingStrategy.CONTRASTIVE
 
     def ids_tensor(self, device: torch.device) -> torch.Tensor:
         """All token ids as a tensor, extended incrementally (for repetition penalty)."""
@@ -91,3 +84,14 @@ class SequenceState:
     def accept(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.num_generated += 1
+
+
+@dataclass
+class GeneratedToken:
+    """A token produced for a sequence in a step, with log-probabilities when asked for."""
+
+    seq_id: int
+    token_id: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None  # (token id, log-probability), best first
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

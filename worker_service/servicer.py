@@ -1,4 +1,8 @@
-"""gRPC face of the worker: converts seqserve.worker.v1 messages to engine calls."""
+"""gRPC face of the worker: converts seqserve.worker.v1 messages to engine calls.
+
+The one place where protos meet the worker's own dataclasses: requests become
+`PrefillSpec`s and `DecodingParams`, step results become `StepResponse`s.
+"""
 
 from __future__ import annotations
 
@@ -10,20 +14,36 @@ from concurrent.futures import Executor, Future
 import grpc
 
 from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
+from seqserve_common.decoding import DecodingStrategy
 from worker_service.compute import compute_thread
-from worker_service.engine import Engine, NewSequence, StepError
+from worker_service.engine import Engine, PrefillSpec, StepError, StepResult
 from worker_service.metrics import WorkerMetrics
-from worker_service.sequence import SamplingParams, Strategy
+from worker_service.sequence import DecodingParams, GeneratedToken
 
 logger = logging.getLogger(__name__)
 
 
-def params_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(
-        strategy=Strategy(p.strategy), temperature=p.temperature or 1.0, top_k=p.top_k,
-        top_p=p.top_p or 1.0, typical_p=p.typical_p or 1.0,
+def params_from_proto(p: worker_pb2.SamplingParams) -> DecodingParams:
+    return DecodingParams(
+        strategy=DecodingStrategy.from_proto(p.strategy), temperature=p.temperature or 1.0,
+        top_k=p.top_k, top_p=p.top_p or 1.0, typical_p=p.typical_p or 1.0,
         repetition_penalty=p.repetition_penalty or 1.0, seed=p.seed,
         penalty_alpha=p.penalty_alpha, logprobs=p.logprobs)
+
+
+def prefill_from_proto(ns: worker_pb2.NewSequence) -> PrefillSpec:
+    return PrefillSpec(ns.sequence_id, list(ns.token_ids), ns.num_generated,
+                       params_from_proto(ns.params), ns.pin_tokens)
+
+
+def token_to_proto(t: GeneratedToken) -> worker_pb2.SequenceToken:
+    msg = worker_pb2.SequenceToken(sequence_id=t.seq_id, token_id=t.token_id,
+                                   cached_tokens=t.cached_tokens)
+    if t.logprob is not None:
+        msg.logprob = t.logprob
+        msg.top_logprobs.extend(worker_pb2.TopLogprob(id=i, logprob=lp)
+                                for i, lp in (t.top or []))
+    return msg
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -102,26 +122,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             yield self._response(request, result)
 
     def _submit(self, engine: Engine, request) -> Future:
-        prefill = [NewSequence(ns.sequence_id, list(ns.token_ids), ns.num_generated,
-                               params_from_proto(ns.params), ns.pin_tokens)
-                   for ns in request.prefill]
+        prefill = [prefill_from_proto(ns) for ns in request.prefill]
         plan = [list(g.sequence_ids) for g in request.groups]
         return self._compute.submit(engine.step, list(request.release), prefill, plan)
 
-    def _response(self, request, result) -> worker_pb2.StepResponse:
+    def _response(self, request, result: StepResult) -> worker_pb2.StepResponse:
         if self.metrics is not None:
             self.metrics.observe_step(result, len(request.groups))
-        tokens = []
-        for t in result.tokens:
-            msg = worker_pb2.SequenceToken(sequence_id=t.seq_id, token_id=t.token_id,
-                                           cached_tokens=t.cached_tokens)
-            if t.logprob is not None:
-                msg.logprob = t.logprob
-                msg.top_logprobs.extend(worker_pb2.TopLogprob(id=i, logprob=lp)
-                                        for i, lp in (t.top or []))
-            tokens.append(msg)
         return worker_pb2.StepResponse(
-            step_id=request.step_id, tokens=tokens,
+            step_id=request.step_id, tokens=[token_to_proto(t) for t in result.tokens],
             regroup_bytes=result.regroup_bytes, kv_slots=result.kv_slots,
             kv_tokens=result.kv_tokens, prefix_cache_bytes=result.prefix_cache_bytes,
             worker_seconds=result.total_seconds)
