@@ -133,7 +133,7 @@ def test_grown_buffers_keep_the_kv_and_zero_every_other_slot():
         row = group.add_empty_row(sid, length)
         for t in (group.keys + group.values):
             t[row, :, :length] = float(sid)
-        group.lengths[row] = length
+        group.fill(row, length)
     for size in (8, 16, 32, 64):  # memory full of NaN, freed for the allocator to reuse
         torch.full((size, 2, 64, 4), float("nan"))
     for rows, length in ((3, 40), (6, 40), (6, 100)):

@@ -14,7 +14,7 @@ import torch
 from worker_service import sampling
 from worker_service.kv_groups import KVGroup
 from worker_service.model_runner import ModelRunner
-from worker_service.packed_batch import PackedBatch, RowSegment
+from worker_service.packed_batch import DecodeSegment, PackedBatch, RowSegment
 from worker_service.prefix_cache import PrefixCache
 from worker_service.sequence import DecodingParams, GeneratedToken, SequenceState
 
@@ -198,7 +198,7 @@ class Engine:
             if incoming:
                 # Room for every incoming row at once, not one reallocation per row.
                 group.ensure_capacity(group.rows + len(incoming), 1 + max(
-                    self.group_of[sid].lengths[self.group_of[sid].row_of(sid)] for sid in incoming))
+                    self.group_of[sid].length(self.group_of[sid].row_of(sid)) for sid in incoming))
             for sid in incoming:
                 src = self.group_of[sid]
                 group.add_row_from(src, src.row_of(sid))
@@ -247,7 +247,7 @@ class Engine:
 
         batch = PackedBatch(self.device, self.runner.sliding_window)
         direct: list[tuple[SequenceState, int]] = []  # sequence, token whose logits it samples
-        decoded: list[tuple[KVGroup, int]] = []
+        decoded: list[DecodeSegment] = []
         trees: list[tuple[KVGroup, int, SequenceState, list[int], torch.Tensor, RowSegment]] = []
         prefills: list[tuple[KVGroup, int, SequenceState, RowSegment]] = []
         for group, n_old in zip(groups, old_counts):
@@ -264,7 +264,7 @@ class Engine:
                 seqs = [self._seq(group, x) for x in range(r, end)]
                 seg = batch.add_decode(group, r, end, [s.next_input for s in seqs])
                 direct += [(s, seg.token_start + i) for i, s in enumerate(seqs)]
-                decoded += [(group, x) for x in range(r, end)]
+                decoded.append(seg)
                 r = end
             for r in range(n_old, group.rows):
                 seq = self._seq(group, r)
@@ -280,11 +280,11 @@ class Engine:
         hidden = self.runner.forward(batch)
         logits = self.runner.logits(hidden[[i for _, i in direct]]) if direct else None
         result.forward_seconds += time.perf_counter() - t
-        for group, r in decoded:
-            group.lengths[r] += 1
+        for seg in decoded:
+            seg.group.advance(seg.row_start, seg.row_end)
         t = time.perf_counter()
         for group, r, seq, _ in prefills:
-            group.lengths[r] = len(seq.token_ids)
+            group.fill(r, len(seq.token_ids))
             if self.prefix_cache is not None:
                 self.prefix_cache.insert(seq.token_ids, group, r, seq.pin_tokens)
         result.regroup_seconds += time.perf_counter() - t
@@ -325,7 +325,7 @@ class Engine:
             for r in range(group.rows):
                 seq = self._seq(group, r)
                 extra = max(seq.params.top_k, 1) if seq.contrastive else 1
-                held = group.lengths[r] if r < n_old else len(seq.token_ids)
+                held = group.length(r) if r < n_old else len(seq.token_ids)
                 need = max(need, held + extra + 1)
             group.ensure_capacity(group.rows, need)
 
@@ -336,7 +336,7 @@ class Engine:
         ids, probs = sampling.contrastive_candidates(seq)
         cand_ids = ids.tolist()
         result.sampling_seconds += time.perf_counter() - t
-        seg = batch.add_row(group, row, cand_ids, group.lengths[row], tree=True)
+        seg = batch.add_row(group, row, cand_ids, group.length(row), tree=True)
         return group, row, seq, cand_ids, probs, seg
 
     def _reuse_prefix(self, group: KVGroup, row: int, seq: SequenceState) -> int:
@@ -366,10 +366,7 @@ class Engine:
         t = time.perf_counter()
         best = sampling.contrastive_pick(probs, cand_hidden, seq.context(),
                                          seq.params.penalty_alpha)
-        start = group.lengths[row]
-        if best:
-            group.copy_slot(row, start + best, start)
-        group.lengths[row] = start + 1
+        group.keep_candidate(row, group.length(row) + best)
         token = cand_ids[best]
         out = GeneratedToken(seq.seq_id, token)
         if seq.params.logprobs >= 0:

@@ -61,12 +61,22 @@ class KVGroup:
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
     seq_ids: list[int] = field(default_factory=list)  # row -> sequence id
-    lengths: list[int] = field(default_factory=list)  # row -> KV tokens held
+    # row -> KV tokens held. Only the methods below change it, each together with the
+    # buffers' contents, so a length always names slots that hold the row's KV.
+    _lengths: list[int] = field(default_factory=list, repr=False)
     copied_bytes: int = 0  # bytes moved by growth, merges and removals (for metrics)
 
     @property
     def rows(self) -> int:
         return len(self.seq_ids)
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """KV tokens held by each row (read-only: a copy)."""
+        return tuple(self._lengths)
+
+    def length(self, row: int) -> int:
+        return self._lengths[row]
 
     @property
     def row_capacity(self) -> int:
@@ -78,7 +88,7 @@ class KVGroup:
 
     @property
     def max_length(self) -> int:
-        return max(self.lengths, default=0)
+        return max(self._lengths, default=0)
 
     def padded_slots(self) -> int:
         """Slots that a forward over this group reads: rows x longest row."""
@@ -132,19 +142,19 @@ class KVGroup:
         """Append a row for a new sequence (filled by its prefill); returns the row."""
         self.ensure_capacity(self.rows + 1, reserve_length)
         self.seq_ids.append(seq_id)
-        self.lengths.append(0)
+        self._lengths.append(0)
         return self.rows - 1
 
     def add_row_from(self, other: KVGroup, other_row: int) -> int:
         """Copy one sequence's KV from another group into a new row here."""
-        length = other.lengths[other_row]
+        length = other._lengths[other_row]
         self.ensure_capacity(self.rows + 1, length + 1)
         row = self.rows
         for layer in range(self.shape.num_layers):
             self.keys[layer][row, :, :length] = other.keys[layer][other_row, :, :length]
             self.values[layer][row, :, :length] = other.values[layer][other_row, :, :length]
         self.seq_ids.append(other.seq_ids[other_row])
-        self.lengths.append(length)
+        self._lengths.append(length)
         self.copied_bytes += length * self.shape.bytes_per_token
         return row
 
@@ -152,18 +162,34 @@ class KVGroup:
         """Drop a row; the last row moves into its place so the rows stay contiguous."""
         last = self.rows - 1
         if row != last:
-            length = self.lengths[last]
+            length = self._lengths[last]
             for layer in range(self.shape.num_layers):
                 self.keys[layer][row, :, :length] = self.keys[layer][last, :, :length]
                 self.values[layer][row, :, :length] = self.values[layer][last, :, :length]
             self.seq_ids[row] = self.seq_ids[last]
-            self.lengths[row] = length
+            self._lengths[row] = length
             self.copied_bytes += length * self.shape.bytes_per_token
         self.seq_ids.pop()
-        self.lengths.pop()
+        self._lengths.pop()
 
-    def copy_slot(self, row: int, src_slot: int, dst_slot: int) -> None:
-        """Move one token's KV within a row (contrastive search keeps the chosen candidate)."""
-        for layer in range(self.shape.num_layers):
-            self.keys[layer][row, :, dst_slot] = self.keys[layer][row, :, src_slot]
-            self.values[layer][row, :, dst_slot] = self.values[layer][row, :, src_slot]
+    def advance(self, row_start: int, row_end: int) -> None:
+        """Rows [row_start, row_end) each had one token's KV written at their next slot
+        (a decoding forward)."""
+        for row in range(row_start, row_end):
+            self._lengths[row] += 1
+
+    def fill(self, row: int, length: int) -> None:
+        """Row `row` holds KV at slots 0..length-1 (a prefill, or a prefix-cache copy and
+        the prefill of the rest, wrote them)."""
+        assert length >= self._lengths[row], "a row's KV is only ever extended"
+        self._lengths[row] = length
+
+    def keep_candidate(self, row: int, slot: int) -> None:
+        """Keep the KV at `slot`, written past the row's length, as the row's next token:
+        contrastive search scores its candidates at slots length.. and keeps one."""
+        next_slot = self._lengths[row]
+        if slot != next_slot:
+            for layer in range(self.shape.num_layers):
+                self.keys[layer][row, :, next_slot] = self.keys[layer][row, :, slot]
+                self.values[layer][row, :, next_slot] = self.values[layer][row, :, slot]
+        self._lengths[row] = next_slot + 1

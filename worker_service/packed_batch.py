@@ -93,7 +93,7 @@ class PackedBatch:
     def add_decode(self, group: KVGroup, row_start: int, row_end: int,
                    token_ids: list[int]) -> DecodeSegment:
         """One token per row; each row's token goes at its current length."""
-        lengths = group.lengths[row_start:row_end]
+        lengths = [group.length(r) for r in range(row_start, row_end)]
         slots = torch.tensor(lengths, dtype=torch.long, device=self.device)
         kv_len = max(lengths) + 1
         seg = DecodeSegment(
