@@ -3,8 +3,9 @@
 transformers lets a project register its own attention (`AttentionInterface`); models
 loaded with `attn_implementation="seqserve"` call `seqserve_attention` in every layer.
 While the runner executes a packed forward (`packed_batch.py`) the function hands each
-layer to that batch, which attends per segment over the group buffers; otherwise (the
-load-time shape probe) it is plain SDPA over what the cache returned.
+layer, by its index, to that batch, which attends per segment over that layer's group
+buffers; otherwise (the load-time shape probe) it is plain SDPA over what the cache
+returned.
 """
 
 from __future__ import annotations
@@ -53,15 +54,28 @@ def active_batch(batch):
         _active.batch = None
 
 
+def layer_index(module) -> int:
+    """The index of the layer whose attention `module` is: the one its keys and values
+    were written under (transformers' attention modules pass `self.layer_idx` to the
+    Cache update)."""
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int):
+        raise ValueError(f"{type(module).__name__} has no integer layer_idx; seqserve reads "
+                         "each layer's KV buffers by the attention module's layer_idx")
+    return layer
+
+
 def seqserve_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                        **kwargs):
     """query [batch, heads, q, dim]; key/value [batch, kv_heads, kv, dim]."""
     dim = query.shape[-1]
     if scaling is None:
         scaling = dim**-0.5
+    # Asked in the load-time probe too, so a model without layer indices fails at load.
+    layer = layer_index(module)
     batch = getattr(_active, "batch", None)
     if batch is not None:
-        return batch.attend(query, key, value, scaling), None
+        return batch.attend(layer, query, key, value, scaling), None
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, scale=scaling,
         enable_gqa=key.shape[1] != query.shape[1])

@@ -13,7 +13,8 @@ is per sequence. Each token knows its segment:
 
 `PackedCache` is the transformers Cache the model sees: it writes each segment's new
 keys and values into its group's buffers. `attend` is the attention that
-`attention.seqserve_attention` dispatches to while a batch is active.
+`attention.seqserve_attention` dispatches to while a batch is active; it names the layer
+whose buffers it reads, as the Cache update does.
 """
 
 from __future__ import annotations
@@ -84,7 +85,6 @@ class PackedBatch:
     token_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     segments: list[DecodeSegment | RowSegment] = field(default_factory=list)
-    layer: int = -1  # the layer whose keys were written last: the one attending next
 
     @property
     def num_tokens(self) -> int:
@@ -126,7 +126,6 @@ class PackedBatch:
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store the new keys/values [1, kv_heads, T, dim] of every segment in its group."""
-        self.layer = layer
         for seg in self.segments:
             a, b = seg.token_start, seg.token_start + seg.num_tokens
             k_buf, v_buf = seg.group.keys[layer], seg.group.values[layer]
@@ -138,13 +137,13 @@ class PackedBatch:
                 k_buf[seg.row, :, seg.start : seg.start + seg.num_tokens] = key[0, :, a:b]
                 v_buf[seg.row, :, seg.start : seg.start + seg.num_tokens] = value[0, :, a:b]
 
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float) -> torch.Tensor:
-        """query [1, heads, T, dim] -> attention output [1, T, heads, value_dim].
+        """query [1, heads, T, dim] -> attention output [1, T, heads, value_dim], reading
+        the buffers of `layer`, whose new keys and values `write` has stored.
 
-        Every model writes a layer's keys (the Cache update) just before that layer
-        attends, so `self.layer` names the buffers to read."""
-        layer = self.layer
+        `key`/`value` are this layer's new keys and values [1, kv_heads, T, dim]: a whole
+        prompt attends over them directly."""
         _, heads, total, _ = query.shape
         kv_heads = key.shape[1]
         out = query.new_empty(1, total, heads, value.shape[-1])
