@@ -10,9 +10,10 @@ import torch
 
 from tests import reference
 from tests.conftest import ARCHITECTURES, tiny_model
-from worker_service.engine import Engine, PrefillSpec, StepError
+from worker_service.engine import Engine, StepError
 from worker_service.model_runner import ModelRunner
 from worker_service.sequence import DecodingParams
+from worker_service.step import PrefillSpec
 
 
 def _reference(model_dir, ids: list[int], n: int) -> list[int]:

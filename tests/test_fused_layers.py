@@ -7,11 +7,12 @@ import torch
 from transformers.models.llama import modeling_llama
 
 from tests.conftest import tiny_model
-from worker_service.kernels import fused_layers
-from worker_service.engine import Engine, PrefillSpec
+from worker_service.engine import Engine
 from worker_service.fixtures import make_model
+from worker_service.kernels import fused_layers
 from worker_service.model_runner import ModelRunner
 from worker_service.sequence import DecodingParams
+from worker_service.step import PrefillSpec
 
 
 def bf16_model(arch: str):

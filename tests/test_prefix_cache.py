@@ -7,13 +7,14 @@ import urllib.request
 
 import pytest
 
+from bench.metrics import scrape
 from client import Client
 from tests import reference
-from tests.test_splitting import scrape
-from worker_service.engine import Engine, PrefillSpec
+from worker_service.engine import Engine
 from worker_service.model_runner import ModelRunner
 from worker_service.prefix_cache import PrefixCache
 from worker_service.sequence import DecodingParams
+from worker_service.step import PrefillSpec
 
 BLOCK = 16
 

@@ -1,6 +1,7 @@
 """Executes the scheduler's Step on the worker: release, regroup, prefill, decode, sample.
 
-Free of gRPC: the servicer converts messages to these dataclasses and back.
+Free of gRPC: the servicer converts messages to the dataclasses of step.py and back.
+Contrastive search, which needs more than one token's logits, is in contrastive.py.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from dataclasses import dataclass, field
 import torch
 
 from worker_service import sampling
+from worker_service.contrastive import CandidateTree, ContrastiveSearch
 from worker_service.kv_groups import KVGroup
 from worker_service.model_runner import ModelRunner
-from worker_service.packed_batch import DecodeSegment, PackedBatch, RowSegment
+from worker_service.packed_batch import DecodeSegment, PackedBatch
 from worker_service.prefix_cache import PrefixCache
-from worker_service.sequence import DecodingParams, GeneratedToken, SequenceState
+from worker_service.sequence import SequenceState
+from worker_service.step import Prefill, PrefillSpec, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -26,33 +29,23 @@ class StepError(ValueError):
 
 
 @dataclass
-class PrefillSpec:
-    """A sequence the Step admits: its tokens so far (prompt, and any generated before a
-    re-admission), which the step prefills, and how it decodes."""
+class SampledRow:
+    """A greedy or sampled sequence whose next token comes from the logits of one token of
+    the packed forward (its decoding token, or its prompt's last)."""
 
-    seq_id: int
-    token_ids: list[int]
-    num_generated: int
-    params: DecodingParams
-    pin_tokens: int = 0  # leading tokens from a cached_prompt: their blocks are pinned
+    seq: SequenceState
+    token_index: int
 
 
 @dataclass
-class StepResult:
-    tokens: list[GeneratedToken] = field(default_factory=list)
-    forward_seconds: float = 0.0
-    sampling_seconds: float = 0.0
-    regroup_seconds: float = 0.0
-    total_seconds: float = 0.0
-    regroup_bytes: int = 0
-    kv_slots: int = 0
-    kv_tokens: int = 0
-    # The engine's state after the step, taken on the compute thread: whoever reports it
-    # may run while the next step already changes the engine.
-    sequences: int = 0
-    kv_allocated_bytes: int = 0
-    prefix_cache_bytes: int = 0
-    prefix_stats: tuple[int, int, int, int] | None = None  # queries, hits, hit tokens, evictions
+class StepForward:
+    """The step's packed forward and what its output is for."""
+
+    batch: PackedBatch
+    decodes: list[DecodeSegment] = field(default_factory=list)
+    prefills: list[Prefill] = field(default_factory=list)
+    sampled: list[SampledRow] = field(default_factory=list)
+    trees: list[CandidateTree] = field(default_factory=list)  # contrastive decoding rows
 
 
 class Engine:
@@ -65,6 +58,7 @@ class Engine:
         self.sequences: dict[int, SequenceState] = {}
         self.groups: list[KVGroup] = []
         self.group_of: dict[int, KVGroup] = {}
+        self.contrastive = ContrastiveSearch(runner)
 
     # --- bookkeeping -----------------------------------------------------------------
 
@@ -245,78 +239,65 @@ class Engine:
                 starts[group.seq_ids[r]] = self._reuse_prefix(group, r, self._seq(group, r))
         result.regroup_seconds += time.perf_counter() - t
 
-        batch = PackedBatch(self.device, self.runner.sliding_window)
-        direct: list[tuple[SequenceState, int]] = []  # sequence, token whose logits it samples
-        decoded: list[DecodeSegment] = []
-        trees: list[tuple[KVGroup, int, SequenceState, list[int], torch.Tensor, RowSegment]] = []
-        prefills: list[tuple[KVGroup, int, SequenceState, RowSegment]] = []
+        fwd = self._pack(groups, old_counts, starts, result)
+        if not fwd.batch.num_tokens:
+            return
+        t = time.perf_counter()
+        hidden = self.runner.forward(fwd.batch)
+        logits = None
+        if fwd.sampled:
+            logits = self.runner.logits(hidden[[s.token_index for s in fwd.sampled]])
+        result.forward_seconds += time.perf_counter() - t
+        for seg in fwd.decodes:
+            seg.group.advance(seg.row_start, seg.row_end)
+        t = time.perf_counter()
+        for p in fwd.prefills:
+            p.segment.group.fill(p.segment.row, len(p.seq.token_ids))
+            if self.prefix_cache is not None:
+                self.prefix_cache.insert(p.seq.token_ids, p.segment.group, p.segment.row,
+                                         p.seq.pin_tokens)
+        result.regroup_seconds += time.perf_counter() - t
+        if fwd.sampled:
+            self._emit([s.seq for s in fwd.sampled], logits, result)
+        for tree in fwd.trees:
+            self.contrastive.choose(tree, hidden, result)
+        self.contrastive.first_tokens([p for p in fwd.prefills if p.seq.contrastive], hidden,
+                                      result)
+
+    def _pack(self, groups: list[KVGroup], old_counts: list[int], starts: dict[int, int],
+              result: StepResult) -> StepForward:
+        """Lay out the step's tokens: per group, runs of greedy and sampled decoding rows
+        as decode segments, each contrastive row's candidates as a tree, then the prompts
+        from their first uncached token."""
+        fwd = StepForward(PackedBatch(self.device, self.runner.sliding_window))
         for group, n_old in zip(groups, old_counts):
             r = 0
             while r < n_old:
                 seq = self._seq(group, r)
                 if seq.contrastive:
-                    trees.append(self._add_candidates(batch, group, r, seq, result))
+                    fwd.trees.append(self.contrastive.add_candidates(fwd.batch, group, r, seq,
+                                                                     result))
                     r += 1
                     continue
                 end = r
                 while end < n_old and not self._seq(group, end).contrastive:
                     end += 1
                 seqs = [self._seq(group, x) for x in range(r, end)]
-                seg = batch.add_decode(group, r, end, [s.next_input for s in seqs])
-                direct += [(s, seg.token_start + i) for i, s in enumerate(seqs)]
-                decoded.append(seg)
+                seg = fwd.batch.add_decode(group, r, end, [s.next_input for s in seqs])
+                fwd.sampled += [SampledRow(s, seg.token_start + i) for i, s in enumerate(seqs)]
+                fwd.decodes.append(seg)
                 r = end
             for r in range(n_old, group.rows):
                 seq = self._seq(group, r)
                 start = starts[seq.seq_id]
-                seg = batch.add_row(group, r, seq.token_ids[start:], start)
-                prefills.append((group, r, seq, seg))
+                seg = fwd.batch.add_row(group, r, seq.token_ids[start:], start)
+                fwd.prefills.append(Prefill(seq, seg))
                 if not seq.contrastive:
-                    direct.append((seq, seg.token_start + seg.num_tokens - 1))
-        if not batch.num_tokens:
-            return
-
-        t = time.perf_counter()
-        hidden = self.runner.forward(batch)
-        logits = self.runner.logits(hidden[[i for _, i in direct]]) if direct else None
-        result.forward_seconds += time.perf_counter() - t
-        for seg in decoded:
-            seg.group.advance(seg.row_start, seg.row_end)
-        t = time.perf_counter()
-        for group, r, seq, _ in prefills:
-            group.fill(r, len(seq.token_ids))
-            if self.prefix_cache is not None:
-                self.prefix_cache.insert(seq.token_ids, group, r, seq.pin_tokens)
-        result.regroup_seconds += time.perf_counter() - t
-        if direct:
-            self._emit([s for s, _ in direct], logits, result)
-        for group, r, seq, cand_ids, probs, seg in trees:
-            self._pick_candidate(group, r, seq, cand_ids, probs, self._tokens(hidden, seg), result)
-
-        # Contrastive prompts prefilled just now: their first token needs a candidate pass.
-        fresh = [(group, r, seq, seg) for group, r, seq, seg in prefills if seq.contrastive]
-        if not fresh:
-            return
-        t = time.perf_counter()
-        for _, _, seq, seg in fresh:
-            prompt_hidden = self._tokens(hidden, seg)
-            seq.append_hidden(prompt_hidden)
-            seq.next_logits = self.runner.logits(prompt_hidden[-1])
-        result.forward_seconds += time.perf_counter() - t
-        batch = PackedBatch(self.device, self.runner.sliding_window)
-        trees = [self._add_candidates(batch, group, r, seq, result) for group, r, seq, _ in fresh]
-        t = time.perf_counter()
-        hidden = self.runner.forward(batch)
-        result.forward_seconds += time.perf_counter() - t
-        for group, r, seq, cand_ids, probs, seg in trees:
-            self._pick_candidate(group, r, seq, cand_ids, probs, self._tokens(hidden, seg), result)
+                    fwd.sampled.append(SampledRow(seq, seg.token_start + seg.num_tokens - 1))
+        return fwd
 
     def _seq(self, group: KVGroup, row: int) -> SequenceState:
         return self.sequences[group.seq_ids[row]]
-
-    @staticmethod
-    def _tokens(hidden: torch.Tensor, seg: RowSegment) -> torch.Tensor:
-        return hidden[seg.token_start : seg.token_start + seg.num_tokens]
 
     def _reserve(self, groups: list[KVGroup], old_counts: list[int]) -> None:
         """Grow buffers for this step's writes before any segment takes views of them."""
@@ -328,16 +309,6 @@ class Engine:
                 held = group.length(r) if r < n_old else len(seq.token_ids)
                 need = max(need, held + extra + 1)
             group.ensure_capacity(group.rows, need)
-
-    def _add_candidates(self, batch: PackedBatch, group: KVGroup, row: int, seq: SequenceState,
-                        result: StepResult):
-        """Contrastive search: the top-k candidates as a tree segment after the context."""
-        t = time.perf_counter()
-        ids, probs = sampling.contrastive_candidates(seq)
-        cand_ids = ids.tolist()
-        result.sampling_seconds += time.perf_counter() - t
-        seg = batch.add_row(group, row, cand_ids, group.length(row), tree=True)
-        return group, row, seq, cand_ids, probs, seg
 
     def _reuse_prefix(self, group: KVGroup, row: int, seq: SequenceState) -> int:
         """Copy the longest cached prefix into the row; returns the tokens reused."""
@@ -360,22 +331,3 @@ class Engine:
             token.cached_tokens = s.cached_tokens
             result.tokens.append(token)
         result.sampling_seconds += time.perf_counter() - t
-
-    def _pick_candidate(self, group: KVGroup, row: int, seq: SequenceState, cand_ids: list[int],
-                        probs: torch.Tensor, cand_hidden: torch.Tensor, result: StepResult) -> None:
-        t = time.perf_counter()
-        best = sampling.contrastive_pick(probs, cand_hidden, seq.context(),
-                                         seq.params.penalty_alpha)
-        group.keep_candidate(row, group.length(row) + best)
-        token = cand_ids[best]
-        out = GeneratedToken(seq.seq_id, token)
-        if seq.params.logprobs >= 0:
-            out.logprob, out.top = sampling.logprob_info(seq.next_logits, token,
-                                                          seq.params.logprobs)
-        seq.append_hidden(cand_hidden[best : best + 1])
-        result.sampling_seconds += time.perf_counter() - t
-        t = time.perf_counter()
-        seq.next_logits = self.runner.logits(cand_hidden[best])
-        result.forward_seconds += time.perf_counter() - t
-        seq.accept(token)
-        result.tokens.append(out)

@@ -1,4 +1,5 @@
-"""Token selection per sequence inside a batched step: greedy, sampling, contrastive search.
+"""Token selection per sequence inside a batched step: greedy and sampling, and the
+logits processing and log-probabilities that contrastive search (contrastive.py) shares.
 
 Every function takes the logits of the rows that ran and the rows' own parameters, so
 greedy, sampled and contrastive sequences share one forward and never see each other's
@@ -11,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from seqserve_common.decoding import DecodingStrategy
-from worker_service.sequence import DecodingParams, GeneratedToken, SequenceState
+from worker_service.sequence import DecodingParams, SequenceState
+from worker_service.step import GeneratedToken
 
 _MASK = float("-inf")
 # Below this, temperature only sharpens further toward the argmax; dividing float32
@@ -114,23 +116,3 @@ def choose_tokens(logits: torch.Tensor, seqs: list[SequenceState]) -> list[Gener
             choices[i].logprob, choices[i].top = lp, top
     return choices  # type: ignore[return-value]
 
-
-def contrastive_candidates(seq: SequenceState) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k candidate ids and their probabilities from the sequence's next-token logits."""
-    assert seq.next_logits is not None
-    probs = torch.softmax(processed_logits(seq.next_logits.float(), seq), -1)
-    k = min(max(seq.params.top_k, 1), probs.shape[-1])
-    top_probs, top_ids = torch.topk(probs, k)
-    return top_ids, top_probs
-
-
-def contrastive_pick(top_probs: torch.Tensor, cand_hidden: torch.Tensor, context: torch.Tensor,
-                     alpha: float) -> int:
-    """Su et al. 2022: argmax of (1 - alpha) p - alpha * max cosine(candidate, context)."""
-    cand = cand_hidden.float()
-    ctx = context.float()
-    cand = cand / cand.norm(dim=-1, keepdim=True)
-    ctx = ctx / ctx.norm(dim=-1, keepdim=True)
-    penalty = (cand @ ctx.T).max(dim=-1).values  # [k]
-    score = (1.0 - alpha) * top_probs.float() - alpha * penalty
-    return int(score.argmax())

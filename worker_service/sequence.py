@@ -85,13 +85,3 @@ class SequenceState:
         self.token_ids.append(token_id)
         self.num_generated += 1
 
-
-@dataclass
-class GeneratedToken:
-    """A token produced for a sequence in a step, with log-probabilities when asked for."""
-
-    seq_id: int
-    token_id: int
-    logprob: float | None = None
-    top: list[tuple[int, float]] | None = None  # (token id, log-probability), best first
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

@@ -16,9 +16,10 @@ import grpc
 from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from seqserve_common.decoding import DecodingStrategy
 from worker_service.compute import compute_thread
-from worker_service.engine import Engine, PrefillSpec, StepError, StepResult
+from worker_service.engine import Engine, StepError
 from worker_service.metrics import WorkerMetrics
-from worker_service.sequence import DecodingParams, GeneratedToken
+from worker_service.sequence import DecodingParams
+from worker_service.step import GeneratedToken, PrefillSpec, StepResult
 
 logger = logging.getLogger(__name__)
 

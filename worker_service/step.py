@@ -1,0 +1,61 @@
+"""What goes into and comes out of one Step on the worker, free of gRPC.
+
+The servicer turns the Step's messages into `PrefillSpec`s and a `StepResult` into the
+answer; the engine and contrastive search share the records of one forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from worker_service.packed_batch import RowSegment
+from worker_service.sequence import DecodingParams, SequenceState
+
+
+@dataclass
+class PrefillSpec:
+    """A sequence the Step admits: its tokens so far (prompt, and any generated before a
+    re-admission), which the step prefills, and how it decodes."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_generated: int
+    params: DecodingParams
+    pin_tokens: int = 0  # leading tokens from a cached_prompt: their blocks are pinned
+
+
+@dataclass
+class GeneratedToken:
+    """A token produced for a sequence in a step, with log-probabilities when asked for."""
+
+    seq_id: int
+    token_id: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None  # (token id, log-probability), best first
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
+@dataclass
+class StepResult:
+    tokens: list[GeneratedToken] = field(default_factory=list)
+    forward_seconds: float = 0.0
+    sampling_seconds: float = 0.0
+    regroup_seconds: float = 0.0
+    total_seconds: float = 0.0
+    regroup_bytes: int = 0
+    kv_slots: int = 0
+    kv_tokens: int = 0
+    # The engine's state after the step, taken on the compute thread: whoever reports it
+    # may run while the next step already changes the engine.
+    sequences: int = 0
+    kv_allocated_bytes: int = 0
+    prefix_cache_bytes: int = 0
+    prefix_stats: tuple[int, int, int, int] | None = None  # queries, hits, hit tokens, evictions
+
+
+@dataclass
+class Prefill:
+    """A sequence whose tokens (after any cached prefix) a forward of this step prefills."""
+
+    seq: SequenceState
+    segment: RowSegment
