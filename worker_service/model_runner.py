@@ -27,7 +27,6 @@ class ModelFacts:
     max_position_embeddings: int
     dtype: str
     device: str
-    hidden_size: int
 
 
 class _ShapeProbe(StatelessCache):
@@ -121,7 +120,6 @@ class ModelRunner:
             max_position_embeddings=_max_positions(config),
             dtype=dtype,
             device=str(self.device),
-            hidden_size=int(self.lm_head.weight.shape[1]),
         )
         if prepack and linear_prepack.supported(self.model):
             n = linear_prepack.prepack_linears(self.model)

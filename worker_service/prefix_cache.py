@@ -44,7 +44,6 @@ class PrefixCacheStats:
     hits: int = 0
     hit_tokens: int = 0
     evictions: int = 0
-    inserted_blocks: int = 0
 
 
 @dataclass
@@ -134,7 +133,6 @@ class PrefixCache:
                     values=[group.values[layer][row, :, sl].clone() for layer in layers],
                     nbytes=nbytes, pinned=pinned, last_used=self._clock)
                 self.bytes_held += nbytes
-                self.stats.inserted_blocks += 1
 
     def _make_room(self, nbytes: int, pinned: bool) -> bool:
         if self.bytes_held + nbytes <= self.capacity_bytes:
