@@ -233,11 +233,13 @@ class Engine:
         token, or contrastive candidates), the rest prefill their prompts."""
         t = time.perf_counter()
         self._reserve(groups, old_counts)
+        result.regroup_seconds += time.perf_counter() - t
+        t = time.perf_counter()
         starts = {}
         for group, n_old in zip(groups, old_counts):
             for r in range(n_old, group.rows):
                 starts[group.seq_ids[r]] = self._reuse_prefix(group, r, self._seq(group, r))
-        result.regroup_seconds += time.perf_counter() - t
+        result.prefix_cache_seconds += time.perf_counter() - t
 
         fwd = self._pack(groups, old_counts, starts, result)
         if not fwd.batch.num_tokens:
@@ -256,7 +258,7 @@ class Engine:
             if self.prefix_cache is not None:
                 self.prefix_cache.insert(p.seq.token_ids, p.segment.group, p.segment.row,
                                          p.seq.pin_tokens)
-        result.regroup_seconds += time.perf_counter() - t
+        result.prefix_cache_seconds += time.perf_counter() - t
         if fwd.sampled:
             self._emit([s.seq for s in fwd.sampled], logits, result)
         for tree in fwd.trees:

@@ -20,6 +20,9 @@ class WorkerMetrics:
                                   "Token selection time per step", buckets=_STEP_BUCKETS, registry=r)
         self.regroup = Histogram("seqserve_worker_regroup_seconds",
                                  "KV regrouping time per step", buckets=_STEP_BUCKETS, registry=r)
+        self.prefix_cache = Histogram("seqserve_worker_prefix_cache_seconds",
+                                      "Prefix-cache look-up, copy and insert time per step",
+                                      buckets=_STEP_BUCKETS, registry=r)
         self.regroup_bytes = Counter("seqserve_worker_regroup_bytes_total",
                                      "KV bytes copied when groups changed", registry=r)
         self.tokens = Counter("seqserve_worker_generated_tokens_total",
@@ -50,6 +53,7 @@ class WorkerMetrics:
         self.forward.observe(result.forward_seconds)
         self.sampling.observe(result.sampling_seconds)
         self.regroup.observe(result.regroup_seconds)
+        self.prefix_cache.observe(result.prefix_cache_seconds)
         self.regroup_bytes.inc(result.regroup_bytes)
         self.tokens.inc(len(result.tokens))
         self.sequences.set(result.sequences)

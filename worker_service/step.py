@@ -40,7 +40,8 @@ class StepResult:
     tokens: list[GeneratedToken] = field(default_factory=list)
     forward_seconds: float = 0.0
     sampling_seconds: float = 0.0
-    regroup_seconds: float = 0.0
+    regroup_seconds: float = 0.0  # moving rows between groups, growing buffers
+    prefix_cache_seconds: float = 0.0  # look-ups and copies of cached prefixes, inserts
     total_seconds: float = 0.0
     regroup_bytes: int = 0
     kv_slots: int = 0
