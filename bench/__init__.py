@@ -33,24 +33,26 @@ from __future__ import annotations
 from typing import Sequence
 
 from bench.ceiling import decode_shape, forward_ceiling, run_ceiling
-from bench.commands import (COMMANDS, DEFAULT_MODEL, RATE_FRACTIONS, REFERENCE_POINT,
-                                   SWEEP_SPARSITIES, SWEEP_SPLITS, cached_prompt_requests, knee,
-                                   prepare, select_conversations)
+from bench.commands.common import DEFAULT_MODEL, prepare
+from bench.commands.prefix import cached_prompt_requests, select_conversations
+from bench.commands.serve import RATE_FRACTIONS, knee
+from bench.commands.sweep import REFERENCE_POINT, SWEEP_SPARSITIES, SWEEP_SPLITS
 from bench.deploy import (Deployment, GaugePeak, Profiler, scrape, server_metrics,
-                                 summarize_collapsed, worker_metrics)
+                          summarize_collapsed, worker_metrics)
 from bench.env import environment, machine_cores, model_dtype, resolve_device
 from bench.loadgen import (SeqserveTarget, bench_seqserve, send_all, send_requests,
-                                  send_sequential)
+                           send_sequential)
+from bench.parser import COMMANDS
 from bench.peer_systems import PEERS, bench_hf, bench_hf_cb, run_vllm, vllm_available
 from bench.stats import (RequestResult, Slo, goodput, latency_stats, meets, percentile,
-                                summarize)
+                         summarize)
 from bench.workload import (MOONCAKE_BLOCK, TRACE, TRACE_NAME, WORKLOADS, BenchRequest,
-                                   Scale, TraceItem, arrivals, block_tokens_for,
-                                   build_mooncake_requests, build_requests,
-                                   ideal_prefix_hit_rate, length_stats, load_mooncake,
-                                   load_trace, load_workload, make_prompt, mooncake_blocks,
-                                   mooncake_prompt_ids, mooncake_scale, poisson_arrivals,
-                                   round_trip_tokens, scale_length, trace_arrivals)
+                            Scale, TraceItem, arrivals, block_tokens_for,
+                            build_mooncake_requests, build_requests,
+                            ideal_prefix_hit_rate, length_stats, load_mooncake,
+                            load_trace, load_workload, make_prompt, mooncake_blocks,
+                            mooncake_prompt_ids, mooncake_scale, poisson_arrivals,
+                            round_trip_tokens, scale_length, trace_arrivals)
 
 
 __all__ = [
@@ -71,6 +73,6 @@ __all__ = [
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from bench.commands import main as _main
+    from bench.cli import main as _main
 
     return _main(argv, __doc__)

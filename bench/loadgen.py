@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 from bench.deploy import (Deployment, GaugePeak, Profiler, scrape, server_metrics,
-                                 worker_metrics)
+                          worker_metrics)
 from bench.stats import RequestResult, Slo, summarize
 from bench.workload import BenchRequest, make_prompt, round_trip_tokens
 

@@ -8,6 +8,8 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
+from bench.peer_systems import PEER_NAMES
+
 logger = logging.getLogger("seqserve.bench")
 
 
@@ -61,92 +63,249 @@ LATENCY_HEADER = ["metric", "mean", "median", "p90", "p99"]
 
 
 # --------------------------------------------------------------------------------------------
-# Plots
+# Markdown of each benchmark
 # --------------------------------------------------------------------------------------------
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    _plt().close(fig)
-    logger.info("wrote %s", path)
+def workload_line(meta: dict) -> str:
+    return (f"Workload: {meta['trace_name']}, first {meta['num_requests']} requests, "
+            f"{meta['arrival']}; {meta['scale_text']}. Prompt tokens {meta['prompt']['sum']} "
+            f"(mean {meta['prompt']['mean']:.0f}, max {meta['prompt']['max']}), output tokens "
+            f"{meta['output']['sum']} (mean {meta['output']['mean']:.0f}, max "
+            f"{meta['output']['max']}). Model {meta['model']} ({meta['dtype']}), "
+            f"{meta['env']['cores']} cores (load average {meta['env'].get('load_average')} at "
+            f"start), seed {meta['seed']}.")
 
 
-def plot_load_sweep(series: dict[str, list[dict]], path: Path, title: str) -> None:
-    """Output tokens/s and p99 latencies (TTFT, TPOT, E2E) against offered load (the arrivals'
-    realized requests/s), one line per system. `series`: name -> [{"rate", "realized_rate",
-    "summary"}] sorted by rate."""
-    plt = _plt()
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4.5))
-    panels = [("output_throughput", None, "output tokens/s", "Throughput"),
-              ("ttft", "p99_ms", "p99 TTFT (ms)", "p99 time to first token"),
-              ("tpot", "p99_ms", "p99 TPOT (ms)", "p99 time per output token"),
-              ("e2e", "p99_ms", "p99 E2E (ms)", "p99 end-to-end latency")]
-    for ax, (key, sub, ylabel, panel_title) in zip(axes, panels):
-        for name, points in series.items():
-            xs = [p.get("realized_rate") or p["rate"] for p in points]
-            ys = [p["summary"][key] if sub is None else p["summary"][key][sub] for p in points]
-            ax.plot(xs, ys, marker="o", label=name)
-        ax.set(xlabel="offered load (requests/s, as sent)", ylabel=ylabel, title=panel_title)
-        if sub is not None:
-            ax.set_yscale("log")
-        else:
-            ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    _save(fig, path)
+def throughput_markdown(result: dict) -> str:
+    meta, seq, hf = result["workload"], result["seqserve"], result["hf"]
+    ratio_hf = result["ratio_seqserve_over_hf"]
+    c = seq["config"]
+    rows = [["seqserve", f"max_sparsity {c['max_sparsity']:g}, max_splits {c['max_splits']}, "
+             f"max_rolling_batch_size {c['max_rolling_batch_size']}",
+             f(seq["duration_s"], 2), seq["output_tokens"], f(seq["output_throughput"]),
+             f(seq["request_throughput"], 2)]]
+    if hf:
+        rows.append(["HF generate", f"static batches of {hf['config']['batch_size']}, left "
+                     f"padding, {hf['config']['torch_threads']} torch threads",
+                     f(hf["duration_s"], 2), hf["output_tokens"], f(hf["output_throughput"]),
+                     f(hf["request_throughput"], 2)])
+    return "\n\n".join([
+        "## Offline throughput: seqserve vs Hugging Face generate",
+        workload_line(meta),
+        md_table(["system", "configuration", "duration s", "output tokens", "output tokens/s",
+                  "requests/s"], rows),
+        (f"**seqserve / HF output tokens/s: {ratio_hf:.2f}x** ({meta['scale_text']})"
+         if ratio_hf else "HF baseline skipped (--no-hf)."),
+        "seqserve latency (ms, vLLM definitions):",
+        md_table(LATENCY_HEADER, latency_rows(seq)),
+    ])
 
 
-def plot_cdfs(runs: dict[str, dict], path: Path, title: str) -> None:
-    """Empirical CDFs of TTFT, TPOT and E2E latency, one line per run (name -> summary)."""
-    plt = _plt()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for ax, (key, label) in zip(axes, (("ttft_s", "TTFT (ms)"), ("tpot_s", "TPOT (ms)"),
-                                       ("e2e_s", "E2E latency (ms)"))):
-        for name, summary in runs.items():
-            xs = sorted(1000 * r[key] for r in summary.get("per_request", ())
-                        if r.get(key) is not None)
-            if xs:
-                ax.step([xs[0], *xs], [0.0, *((i + 1) / len(xs) for i in range(len(xs)))],
-                        where="post", label=name)
-        ax.set(xlabel=label, ylabel="fraction of requests", title=f"CDF of {label}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    _save(fig, path)
-
-
-def plot_sweep(result: dict, path: Path) -> None:
-    """The max_sparsity x max_splits sweep: throughput and peak padded KV slots."""
-    plt = _plt()
+def sweep_markdown(result: dict, plot_link: str | None = None) -> str:
     meta = result["workload"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
-    for k in sorted({r["config"]["max_splits"] for r in result["runs"]}):
-        runs = sorted((r for r in result["runs"] if r["config"]["max_splits"] == k),
-                      key=lambda r: r["config"]["max_sparsity"])
-        xs = [r["config"]["max_sparsity"] for r in runs]
-        ax1.plot(xs, [r["output_throughput"] for r in runs], marker="o", label=f"max_splits {k}")
-        ax2.plot(xs, [r["server"]["peak_kv_padded_slots"] for r in runs], marker="o",
-                 label=f"max_splits {k}")
-    ax1.set(xlabel="max_sparsity", ylabel="output tokens/s", title="Throughput")
-    ax2.set(xlabel="max_sparsity", ylabel="peak seqserve_kv_padded_slots",
-            title="Peak padded KV slots")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"{Path(meta['model']).name}, {meta['num_requests']} Azure conv requests at once; "
-                 f"{meta['scale_text']}", fontsize=9)
-    fig.tight_layout()
-    _save(fig, path)
+    rows = [[f(r["config"]["max_sparsity"], 2), r["config"]["max_splits"],
+             f(r["output_throughput"]), f(r["duration_s"], 2),
+             f(r["server"]["peak_kv_padded_slots"], 0), f(r["server"]["mean_batch_sparsity"], 3),
+             f(r["server"]["mean_batch_splits"], 2), f(r["server"]["regroup_bytes"] / 2**20, 1),
+             f(r["tpot"]["median_ms"])] for r in result["runs"]]
+    parts = ["## max_sparsity x max_splits sweep", workload_line(meta),
+             md_table(["max_sparsity", "max_splits", "output tokens/s", "duration s",
+                       "peak padded KV slots", "mean sparsity", "mean splits",
+                       "regroup MiB", "median TPOT ms"], rows)]
+    if "reference" in result:
+        r = result["reference"]
+        point = r["point"]
+        parts.append(f"**At max_sparsity {point['max_sparsity']:g}, max_splits "
+                     f"{point['max_splits']} vs max_splits 1:** peak padded KV slots x"
+                     f"{f(r['peak_padded_slots_ratio_to_splits_1'], 3)}, output tokens/s x"
+                     f"{f(r['throughput_ratio_to_splits_1'], 3)} ({meta['scale_text']}).")
+    if plot_link:
+        parts.append(f"![sweep]({plot_link})")
+    return "\n\n".join(parts)
+
+
+def partition_markdown(result: dict) -> str:
+    rows = [[f"{r['max_sparsity']:g}", r["splits"], f"{r['sparsity']:.4f}",
+             f"{r['median_ms']:.3f}", f"{r['min_ms']:.3f}"] for r in result["runs"]]
+    return "\n\n".join([
+        "## plan_partition time",
+        f"512 random lengths in [1, 2048] (seed {result['seed']}), max_splits 8; median of "
+        f"{result['repeats']} repeats (timeit).",
+        md_table(["max_sparsity", "groups", "sparsity", "median ms", "min ms"], rows)])
+
+
+def prefix_markdown(result: dict) -> str:
+    model_dir = result["model"]
+    md = ["## Prefix cache (issue 5)"]
+    if "cached_prompt" in result:
+        c = result["cached_prompt"]
+        w, o = c["runs"]["cache_warm"], c["runs"]["cache_off"]
+        md += [f"### cached_prompt: time to first token, cache warm vs off\n\n"
+               f"Model {model_dir} ({result['dtype']}); a {c['cached_prompt_tokens']}-token "
+               f"`cached_prompt` (the same text every request) and {c['input_tokens']}-token "
+               f"distinct inputs, {c['requests']} requests one at a time after one warm-up "
+               f"request, {c['output_tokens']} output tokens each; cache off = worker started "
+               f"with `--prompt-cache-bytes 0`. Load average at start "
+               f"{result['env'].get('load_average')}.",
+               md_table(["cache", "prompt tokens", "cached tokens (final message)",
+                         "TTFT mean ms", "TTFT median ms"],
+                        [["warm", w["prompt_tokens"], spread(w["cached_tokens"]),
+                          f(w["ttft_mean_ms"]), f(w["ttft_median_ms"])],
+                         ["off", o["prompt_tokens"], spread(o["cached_tokens"]),
+                          f(o["ttft_mean_ms"]), f(o["ttft_median_ms"])]]),
+               f"**TTFT warm / off: {c['ttft_ratio_mean']:.3f} (means), "
+               f"{c['ttft_ratio_median']:.3f} (medians)**; aim <= {c['aim']}."]
+    if "mooncake" in result:
+        m = result["mooncake"]
+        meta, on, off = m["workload"], m["runs"]["cache_on"], m["runs"]["cache_off"]
+
+        def row(name: str, s: dict) -> list:
+            return [name, f(100 * s["prefix_hit_rate_worker"]),
+                    f(100 * s["prefix_hit_rate_scheduler"]), f(s["output_throughput"]),
+                    f(s["total_token_throughput"]), f(s["duration_s"], 2),
+                    f(s["ttft"]["mean_ms"]), f(s["ttft"]["p99_ms"])]
+
+        md += ["### Mooncake conversation trace replay: cache on vs off\n\n"
+               + workload_line(meta) + f" Blocks of 512 tokens scaled to "
+               f"{meta['mooncake_block_tokens']}; selection: {meta['selection']}. An unbounded "
+               f"cache replaying these requests one by one could serve "
+               f"{100 * meta['ideal_prefix_hit_rate']:.1f}% of the prompt tokens.",
+               md_table(["cache", "hit rate % (worker)", "hit rate % (scheduler)",
+                         "output tokens/s", "total tokens/s", "duration s", "TTFT mean ms",
+                         "TTFT p99 ms"], [row("on", on), row("off", off)]),
+               f"**Output tokens/s on / off: {m['output_throughput_ratio_on_over_off']:.3f}; "
+               f"TTFT mean on / off: {m['ttft_mean_ratio_on_over_off']:.3f}.** Hit rate = "
+               f"seqserve_worker_prefix_cache_hit_tokens_total (or the scheduler's "
+               f"seqserve_prefix_cache_hit_tokens_total) growth / prompt tokens sent."]
+    return "\n\n".join(md)
+
+
+def spread(values: Sequence[int]) -> str:
+    lo, hi = min(values), max(values)
+    return str(lo) if lo == hi else f"{lo}..{hi}"
+
+
+def peers_markdown(result: dict) -> str:
+    meta, seq = result["workload"], result["seqserve"]
+    rows = [["seqserve", f(seq["duration_s"], 2), seq["output_tokens"],
+             f(seq["output_throughput"]), "1.00"]]
+    notes = []
+    for name, s in result["peers"].items():
+        if "skipped" in s:
+            notes.append(f"- {PEER_NAMES[name]}: {s['skipped']}")
+            rows.append([PEER_NAMES[name], "skipped", "", "", ""])
+            continue
+        rows.append([PEER_NAMES[name], f(s["duration_s"], 2), s["output_tokens"],
+                     f(s["output_throughput"]), f(result["ratios"][name], 2)])
+    parts = ["## seqserve and its peers, all requests at once (issue 7)", workload_line(meta),
+             md_table(["system", "duration s", "output tokens", "output tokens/s",
+                       "seqserve / system"], rows)]
+    parts += notes
+    lat = [["seqserve", *r] for r in latency_rows(seq)]
+    for name, s in result["peers"].items():
+        if "ttft" in s:
+            lat += [[PEER_NAMES[name], *r] for r in latency_rows(s)]
+    parts += ["Latency (ms, vLLM definitions; only systems that stream per-token times):",
+              md_table(["system", *LATENCY_HEADER], lat)]
+    if seq.get("goodput"):
+        g = seq["goodput"]
+        parts.append(f"seqserve goodput ({g['slo']}): {g['request_goodput']:.2f} requests/s, "
+                     f"{100 * g['good_fraction']:.0f}% of requests.")
+    if "ceiling" in result:
+        c = result["ceiling"]
+        fw = c["forward"]
+        parts.append(
+            f"**Forward-pass ceiling:** a plain forward of the model ({fw['attn_implementation']}"
+            f" attention, {fw['torch_threads']} threads) decodes batch {fw['batch']} at context "
+            f"{fw['context']} in {fw['decode_step_ms']:.1f} ms ({fw['decode_tokens_per_s']:.0f} "
+            f"tokens/s; median {fw['decode_step_ms_median']:.1f} ms) and prefills "
+            f"{fw['prefill_batch']} x {fw['prompt_len']} tokens at "
+            f"{fw['prefill_tokens_per_s']:.0f} tokens/s (fastest of {fw['repeats']} repeats); "
+            f"for this run's {c['prompt_tokens']} "
+            f"prompt and {c['decode_tokens']} decode tokens that is "
+            f"{c['ceiling_output_throughput']:.1f} output tokens/s. **seqserve reaches "
+            f"{100 * c['fraction_of_ceiling']:.0f}% of it.**")
+    s = seq.get("server", {}).get("step_seconds")
+    w = seq.get("worker")
+    if s and w:
+        parts.append(
+            "Where seqserve's time goes (summed over the run's steps, s): scheduler plan "
+            f"{s['plan']:.2f}, RPC {s['rpc']:.2f}, worker {s['worker']:.2f} (forward "
+            f"{w['forward_s']:.2f}, sampling {w['sampling_s']:.2f}, regroup {w['regroup_s']:.2f}),"
+            f" postprocess {s['postprocess']:.2f}; run duration {seq['duration_s']:.2f} s.")
+    profile = dict(seq.get("profile") or {})
+    if "skipped" in profile:
+        parts.append(f"py-spy: {profile['skipped']}")
+        profile = {}
+    if "run" in profile:
+        r = profile.pop("run")
+        parts.append(f"Profile (py-spy at 100 Hz on a second run of the same shape with fresh "
+                     f"prompts, {r['output_throughput']:.1f} output tokens/s while sampled):")
+    for proc, prof in profile.items():
+        if "skipped" in prof:
+            parts.append(f"py-spy, {proc}: {prof['skipped']}")
+            continue
+        rows = [[name, f"{100 * share:.1f}"] for name, share in prof["self"][:10]]
+        incl = [[name, f"{100 * share:.1f}"] for name, share in prof["inclusive"][:10]]
+        parts += [f"py-spy, {proc} ({prof['samples']} busy samples): frames holding the most "
+                  f"samples, self time and (seqserve code) inclusive time",
+                  md_table(["frame (self)", "%"], rows),
+                  md_table(["seqserve frame (inclusive)", "%"], incl)]
+    return "\n\n".join(parts)
+
+
+def serve_markdown(result: dict) -> str:
+    meta = result["workload"]
+    parts = [f"## Load generator: {meta['workload']}",
+             workload_line({**meta, "arrival": "arrivals per row below"})]
+    if result.get("slo"):
+        parts.append(f"Goodput limits: {result['slo']}.")
+    header = ["system", "arrivals", "offered req/s", "realized req/s", "achieved req/s",
+              "output tok/s",
+              "TTFT p50 / p99 ms", "TPOT p50 / p99 ms", "ITL p50 / p99 ms", "E2E p50 / p99 ms"]
+    if result.get("slo"):
+        header.append("goodput req/s")
+    rows = []
+    for name, pts in (("seqserve", result["seqserve"]), ("vLLM CPU", result["vllm"])):
+        for p in pts:
+            s = p["summary"]
+            row = [name, p["label"], f(p["offered_rate"], 2) if p["offered_rate"] else "inf",
+                   f(p.get("realized_rate"), 2) if p.get("realized_rate") not in (
+                       None, float("inf")) else "inf",
+                   f(s["request_throughput"], 2), f(s["output_throughput"]),
+                   f"{f(s['ttft']['median_ms'])} / {f(s['ttft']['p99_ms'])}",
+                   f"{f(s['tpot']['median_ms'])} / {f(s['tpot']['p99_ms'])}",
+                   f"{f(s['itl']['median_ms'])} / {f(s['itl']['p99_ms'])}",
+                   f"{f(s['e2e']['median_ms'])} / {f(s['e2e']['p99_ms'])}"]
+            if result.get("slo"):
+                row.append(f(s.get("goodput", {}).get("request_goodput"), 2))
+            rows.append(row)
+    parts.append(md_table(header, rows))
+    if result.get("vllm_skipped"):
+        parts.append(f"vLLM: {result['vllm_skipped']}")
+    if result["seqserve"] and result["vllm"]:
+        rr = [[p["label"], f(ratio(p["summary"]["output_throughput"],
+                                   v["summary"]["output_throughput"]), 2),
+               f(ratio(p["summary"]["e2e"]["p99_ms"], v["summary"]["e2e"]["p99_ms"]), 2)]
+              for p, v in zip(result["seqserve"], result["vllm"])]
+        parts += ["seqserve / vLLM:", md_table(["arrivals", "output tok/s ratio",
+                                                "p99 E2E ratio (lower is better)"], rr)]
+    if "knee" in result:
+        k = result["knee"]
+        def rate(x):
+            return "not reached at any rate" if x is None else f"{x:g} requests/s"
+
+        parts.append(f"Knee ({k['rule']}): seqserve {rate(k['seqserve'])}"
+                     + (f", vLLM {rate(k['vllm'])}." if result["vllm"] else "."))
+    return "\n\n".join(parts)
+
+
+def ceiling_markdown(out: dict) -> str:
+    return "\n\n".join(["## Forward-pass ceiling", md_table(
+        ["model", "decode batch x context", "ms/step (min / median)", "decode tokens/s",
+         "prefill batch x tokens", "prefill tokens/s"],
+        [[f"{out['model']} ({out['dtype']})", f"{out['batch']} x {out['context']}",
+          f"{out['decode_step_ms']:.1f} / {out['decode_step_ms_median']:.1f}",
+          f"{out['decode_tokens_per_s']:.0f}", f"{out['prefill_batch']} x {out['prompt_len']}",
+          f"{out['prefill_tokens_per_s']:.0f}"]])])

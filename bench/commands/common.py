@@ -1,0 +1,142 @@
+"""What every subcommand shares: the model, the requests and the record of how they were
+made, the command line, and the seqserve options given on it."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Sequence
+
+from bench.env import environment, model_context, model_dtype
+from bench.loadgen import bench_seqserve
+from bench.peer_systems import PEERS
+from bench.stats import Slo
+from bench.workload import (WORKLOADS, BenchRequest, Scale, TraceItem, build_workload_requests,
+                            ideal_prefix_hit_rate, length_stats, load_workload, mooncake_scale)
+
+logger = logging.getLogger("seqserve.bench")
+
+DEFAULT_MODEL = Path("models/mid-llama-bf16")
+
+
+def ensure_model(model_dir: Path) -> Path:
+    """The model directory; the default mid model is written if missing."""
+    if not (model_dir / "config.json").exists():
+        if model_dir != DEFAULT_MODEL:
+            raise SystemExit(f"no model at {model_dir} (config.json missing)")
+        from worker_service.fixtures import make_model
+
+        logger.info("writing the benchmark model to %s (mid llama, bfloat16)", model_dir)
+        make_model(model_dir, arch="llama", size="mid", dtype="bfloat16")
+    return model_dir
+
+
+def workload_scale(args, model_dir: Path) -> Scale:
+    """The length scale of args.workload: Azure traces by --prompt-scale/--output-scale;
+    Mooncake by its block size (512 -> --mooncake-block tokens), capped at the context."""
+    if WORKLOADS[args.workload].kind == "mooncake":
+        max_out = args.max_output or 32
+        return mooncake_scale(args.mooncake_block, model_context(model_dir) or 2048, max_out)
+    return Scale(args.prompt_scale, args.max_prompt, args.output_scale, args.max_output or 128)
+
+
+def check_context(model_dir: Path, items: Sequence[TraceItem]) -> None:
+    max_pos = model_context(model_dir)
+    longest = max(it.prompt_len + it.output_len for it in items)
+    if max_pos and longest > max_pos:
+        raise SystemExit(f"a request needs {longest} positions; the model has {max_pos}: "
+                         f"lower --max-prompt / --max-output")
+
+
+def prepare(args, workload: str | None = None) -> tuple[Path, list[BenchRequest], Any, dict]:
+    """Model (made if it is the missing default), requests, tokenizer and the workload record."""
+    from transformers import AutoTokenizer
+
+    workload = workload or args.workload
+    model_dir = ensure_model(Path(args.model))
+    args_w = argparse.Namespace(**{**vars(args), "workload": workload})
+    scale = workload_scale(args_w, model_dir)
+    spec = WORKLOADS[workload]
+    trace = args.trace if (args.trace and workload == args.workload) else spec.path
+    items = load_workload(workload, args.num_requests, scale, trace)
+    check_context(model_dir, items)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    requests = build_workload_requests(tokenizer, workload, items, args.seed, args.mooncake_block)
+    meta = workload_meta(args, model_dir, workload, trace, items, requests, scale)
+    return model_dir, requests, tokenizer, meta
+
+
+def workload_meta(args, model_dir: Path, workload: str, trace, items, requests, scale: Scale,
+                  arrival: str = "all at once") -> dict:
+    meta = {
+        "workload": workload, "trace": str(Path(trace)), "trace_name": WORKLOADS[workload].name,
+        "num_requests": len(requests), "seed": args.seed, "arrival": arrival,
+        "scale": asdict(scale), "scale_text": scale.describe(),
+        "prompt": length_stats([r.prompt_len for r in requests]),
+        "output": length_stats([r.output_len for r in requests]),
+        "model": str(model_dir), "dtype": model_dtype(model_dir), "device": args.device,
+        "env": environment(),
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command_line(),
+    }
+    if WORKLOADS[workload].kind == "mooncake":
+        meta["mooncake_block_tokens"] = args.mooncake_block
+        meta["ideal_prefix_hit_rate"] = ideal_prefix_hit_rate(items, args.mooncake_block)
+    return meta
+
+
+_ARGV: list[str] = []
+
+
+def command_line() -> str:
+    """The command that made a result, as a person would type it."""
+    return "python -m bench " + " ".join(shlex.quote(a) for a in _ARGV)
+
+
+def set_command_line(argv: Sequence[str]) -> None:
+    _ARGV[:] = argv
+
+
+def server_flags(args) -> list[str]:
+    """--server-option KEY=VALUE (repeatable) as flags for both seqserve processes."""
+    flags = []
+    for opt in getattr(args, "server_option", None) or ():
+        key, sep, value = opt.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--server-option wants KEY=VALUE, got {opt!r}")
+        flags += [f"--{key.strip().replace('_', '-')}", value.strip()]
+    return flags
+
+
+def slo_limits(args) -> Slo | None:
+    slo = Slo(args.goodput_ttft_ms, args.goodput_tpot_ms, args.goodput_e2e_ms)
+    return slo if slo else None
+
+
+def run_seqserve_offline(args, model_dir, requests, tokenizer, meta, name: str,
+                         slo: Slo | None = None) -> dict:
+    profile = Path(args.out) / "profile" / name if getattr(args, "profile", False) else None
+    return bench_seqserve(model_dir, requests, tokenizer, max_sparsity=args.max_sparsity,
+                          max_splits=args.max_splits,
+                          max_rolling_batch_size=args.max_rolling_batch_size,
+                          logdir=Path(args.out) / "logs" / name, dtype=meta["dtype"],
+                          device=args.device, slo=slo, profile_dir=profile,
+                          poll_interval=1.0, server_flags=server_flags(args))  # the peak gauge is not reported here: poll less
+
+
+def selected_peers(args) -> list[str]:
+    return [p for p in args.peers if p in PEERS]
+
+
+def vllm_kwargs(args) -> dict:
+    return {"max_num_seqs": args.max_rolling_batch_size, "kv_space_gib": args.vllm_kv_gib,
+            "threads_bind": args.vllm_threads_bind, "enforce_eager": args.vllm_enforce_eager,
+            "preload": args.vllm_preload}
+
+
+def without_per_request(summary: dict) -> dict:
+    return {k: v for k, v in summary.items() if k != "per_request"}

@@ -1,0 +1,61 @@
+"""`python -m bench peers`: seqserve and each peer (HF static batches, transformers continuous
+batching, vLLM) on the same requests, all at once; ratios; the forward-pass ceiling."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from bench.plots import plot_cdfs
+from bench.ceiling import run_ceiling
+from bench.commands.common import (logger, prepare, run_seqserve_offline, selected_peers,
+                                   slo_limits, vllm_kwargs)
+from bench.commands.throughput import throughput_report
+from bench.peer_systems import PEER_NAMES, bench_hf, bench_hf_cb, run_vllm, vllm_summary
+from bench.report import peers_markdown, ratio, write
+
+
+def run(args, prepared=None) -> dict:
+    """All at once: seqserve and each peer on the same requests; ratios; the ceiling."""
+    model_dir, requests, tokenizer, meta = prepared or prepare(args)
+    out_dir, slo = Path(args.out), slo_limits(args)
+    peers = selected_peers(args)
+    result: dict = {"benchmark": "peers", "workload": meta, "slo": slo.describe() if slo else None}
+    seq = result["seqserve"] = run_seqserve_offline(args, model_dir, requests, tokenizer, meta,
+                                                    "peers", slo)
+    systems: dict[str, dict] = {}
+    if "hf" in peers:
+        systems["hf"] = bench_hf(model_dir, requests, batch_size=args.hf_batch_size,
+                                 threads=args.hf_threads, device=args.device)
+    if "hf-cb" in peers:
+        try:
+            systems["hf-cb"] = bench_hf_cb(model_dir, requests, threads=args.hf_threads,
+                                           device=args.device, slo=slo)
+        except Exception as exc:  # noqa: BLE001 - a peer's failure is reported, not fatal
+            logger.exception("transformers continuous batching failed")
+            systems["hf-cb"] = {"skipped": f"transformers continuous batching failed: {exc!r}"}
+    if "vllm" in peers:
+        raw = run_vllm(model_dir, [{"name": "all-at-once", "requests": requests}], mode="offline",
+                       workdir=out_dir / "logs" / "peers", **vllm_kwargs(args))
+        systems["vllm"] = raw if "skipped" in raw else vllm_summary(raw, 0, requests, slo)
+    result["peers"] = systems
+    if not args.no_ceiling:
+        result["ceiling"] = run_ceiling(model_dir, requests, seq["server"]["mean_batch_size"],
+                                        seq["output_throughput"], device=args.device,
+                                        threads=args.hf_threads)
+    result["ratios"] = {name: ratio(seq["output_throughput"], s.get("output_throughput"))
+                        for name, s in systems.items()}
+    md = peers_markdown(result)
+    cdf_runs = {"seqserve": seq, **{PEER_NAMES[k]: v for k, v in systems.items()
+                                    if v.get("per_request") and "ttft" in v}}
+    if args.plot_dir:
+        path = Path(args.plot_dir) / "peers-cdf.png"
+        plot_cdfs(cdf_runs, path, f"{meta['num_requests']} {meta['workload']} requests "
+                  f"all at once; {Path(meta['model']).name} ({meta['dtype']})")
+        result["plots"] = [str(path)]
+        md += f"\n\n![latency CDFs]({os.path.relpath(path.resolve(), out_dir.resolve())})"
+    write(out_dir, "peers", result, md)
+    print(md, flush=True)
+    if "hf" in systems and not args.no_throughput_report:
+        throughput_report(meta, seq, systems["hf"], out_dir)  # issue 2's figure, same run
+    return result

@@ -1,0 +1,186 @@
+"""The command line of `python -m bench`: one subcommand per benchmark, options in groups
+shared between them."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from bench.commands.common import DEFAULT_MODEL
+from bench.commands.serve import RATE_FRACTIONS
+from bench.commands.sweep import SWEEP_SPARSITIES, SWEEP_SPLITS
+from bench.peer_systems import PEERS
+from bench.workload import ARRIVALS, WORKLOADS
+
+COMMANDS = ("throughput", "sweep", "partition", "prefix", "serve", "peers", "ceiling", "all")
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _rates(text: str) -> list[float]:
+    """'auto' (empty list: fractions of the offline request rate) or comma-separated rates."""
+    return [] if text.strip() == "auto" else _floats(text)
+
+
+def _names(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip() and x.strip() != "none"]
+    bad = set(names) - set(PEERS)
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown peer(s) {sorted(bad)}; choose from {PEERS}")
+    return names
+
+
+def build_parser(doc: str) -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    g = common.add_argument_group("workload and output")
+    g.add_argument("--model", type=Path, default=DEFAULT_MODEL,
+                   help=f"model directory (default {DEFAULT_MODEL}; made if missing)")
+    g.add_argument("--workload", choices=sorted(WORKLOADS), default="azure-conv",
+                   help="trace (azure-conv)")
+    g.add_argument("--trace", type=Path, default=None,
+                   help="trace file (default: the workload's copy in bench/data/)")
+    g.add_argument("--num-requests", type=int, default=64, help="first N trace rows (64)")
+    g.add_argument("--prompt-scale", type=float, default=0.25, help="Azure prompt scale (0.25)")
+    g.add_argument("--max-prompt", type=int, default=512, help="Azure prompt cap (512)")
+    g.add_argument("--output-scale", type=float, default=0.5, help="Azure output scale (0.5)")
+    g.add_argument("--max-output", type=int, default=None,
+                   help="output cap (128 for Azure, 32 for Mooncake)")
+    g.add_argument("--mooncake-block", type=int, default=32,
+                   help="tokens per Mooncake hash block (512 in the trace; lengths scale alike)")
+    g.add_argument("--seed", type=int, default=0, help="prompt token and arrival seed")
+    g.add_argument("--out", type=Path, default=Path("bench-results"),
+                   help="directory for JSON, markdown and server logs (bench-results/)")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="worker and in-process peer device (auto: cuda when torch sees it)")
+    g.add_argument("--max-rolling-batch-size", type=int, default=64,
+                   help="seqserve's batch limit, and vLLM's max_num_seqs (64)")
+    g.add_argument("--server-option", action="append", metavar="KEY=VALUE",
+                   help="any seqserve serving option for both processes, e.g. "
+                        "max_prefill_tokens=2048 (repeatable)")
+    g.add_argument("--log-level", default="INFO")
+
+    srv = argparse.ArgumentParser(add_help=False)
+    g = srv.add_argument_group("seqserve configuration")
+    g.add_argument("--max-sparsity", type=float, default=0.33)
+    g.add_argument("--max-splits", type=int, default=3)
+
+    hf = argparse.ArgumentParser(add_help=False)
+    g = hf.add_argument_group("HF peers")
+    g.add_argument("--hf-batch-size", type=int, default=16)
+    g.add_argument("--hf-threads", type=int, default=None,
+                   help="torch threads for the in-process peers and the ceiling (all cores)")
+    g.add_argument("--no-hf", action="store_true", help="throughput: skip the HF baseline")
+
+    slo = argparse.ArgumentParser(add_help=False)
+    g = slo.add_argument_group("goodput (vLLM: a request is good when it meets every limit)")
+    g.add_argument("--goodput-ttft-ms", type=float, default=None)
+    g.add_argument("--goodput-tpot-ms", type=float, default=None)
+    g.add_argument("--goodput-e2e-ms", type=float, default=None)
+
+    prs = argparse.ArgumentParser(add_help=False)
+    g = prs.add_argument_group("peers and vLLM")
+    g.add_argument("--peers", type=_names, default=list(PEERS),
+                   help="comma-separated peers: hf, hf-cb, vllm, or none (all three); the "
+                        "serve command runs vllm only")
+    g.add_argument("--no-ceiling", action="store_true", help="skip the forward-pass ceiling")
+    g.add_argument("--profile", action="store_true",
+                   help="peers: after seqserve's measured run, sample the worker and scheduler "
+                        "with py-spy during a second run (collapsed stacks in OUT/profile/, "
+                        "top frames in the report)")
+    g.add_argument("--no-throughput-report", action="store_true",
+                   help="peers: do not also write throughput.json/md (issue 2's table)")
+    g.add_argument("--vllm-kv-gib", type=int, default=4,
+                   help="VLLM_CPU_KVCACHE_SPACE in GiB (4, as seqserve's kv_cache_bytes)")
+    g.add_argument("--vllm-threads-bind", default="all",
+                   help="'all' (OpenMP threads on every core, none reserved), 'auto' "
+                        "(vLLM's default: reserves a core), or a VLLM_CPU_OMP_THREADS_BIND list")
+    g.add_argument("--vllm-enforce-eager", action="store_true",
+                   help="vLLM without torch.compile")
+    g.add_argument("--vllm-preload", action="store_true",
+                   help="LD_PRELOAD libiomp5 (from the peer venv) and libtcmalloc (where "
+                        "installed) for vLLM, as its CPU guide advises")
+    g.add_argument("--plot-dir", default="docs", help="PNG directory ('' for none)")
+
+    load = argparse.ArgumentParser(add_help=False)
+    g = load.add_argument_group("arrivals")
+    g.add_argument("--arrival", choices=ARRIVALS, default="all",
+                   help="all at once, Poisson (--rate / --rates, seeded), or the trace's "
+                        "timestamps / --speedup")
+    g.add_argument("--rate", type=float, default=None, help="Poisson rate, requests/s")
+    g.add_argument("--rates", type=_rates, default=None,
+                   help="Poisson rate sweep: comma-separated requests/s, or 'auto' (fractions "
+                        "of seqserve's offline request rate, --rate-fractions)")
+    g.add_argument("--rate-fractions", type=_floats, default=list(RATE_FRACTIONS),
+                   help="auto sweep fractions (0.25,0.5,0.75,0.9,1.1,1.5)")
+    g.add_argument("--speedup", type=float, default=1.0, help="trace arrivals: time / speedup")
+    g.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    g.add_argument("--address", default=None,
+                   help="serve: load a running scheduler at host:port instead of starting one")
+    g.add_argument("--metrics-url", default=None,
+                   help="serve --address: its scheduler's /metrics URL, for server figures")
+
+    swp = argparse.ArgumentParser(add_help=False)
+    g = swp.add_argument_group("sweep")
+    g.add_argument("--sparsities", type=_floats, default=list(SWEEP_SPARSITIES),
+                   help="comma-separated max_sparsity values (0,0.1,0.33,0.6,0.9)")
+    g.add_argument("--splits", type=_ints, default=list(SWEEP_SPLITS),
+                   help="comma-separated max_splits values (1,2,3,4,8)")
+    g.add_argument("--plot", default="docs/sweep.png", help="PNG path ('' for none)")
+
+    prt = argparse.ArgumentParser(add_help=False)
+    g = prt.add_argument_group("partition")
+    g.add_argument("--repeats", type=int, default=201, help="timeit repeats (201)")
+
+    pfx = argparse.ArgumentParser(add_help=False)
+    g = pfx.add_argument_group("prefix cache (issue 5)")
+    g.add_argument("--prefix-parts", type=lambda t: [x for x in t.split(",") if x],
+                   default=["cached", "mooncake"], help="cached,mooncake (both)")
+    g.add_argument("--cached-tokens", type=int, default=512, help="cached_prompt tokens (512)")
+    g.add_argument("--input-tokens", type=int, default=16, help="input tokens (16)")
+    g.add_argument("--prefix-requests", type=int, default=16,
+                   help="measured cached_prompt requests, one at a time (16)")
+    g.add_argument("--prefix-output", type=int, default=8, help="their output tokens (8)")
+    g.add_argument("--mooncake-model", type=Path, default=None,
+                   help="model of the Mooncake replay (default --model)")
+    g.add_argument("--mooncake-requests", type=int, default=64, help="requests replayed (64)")
+    g.add_argument("--mooncake-max-output", type=int, default=32, help="output cap (32)")
+    g.add_argument("--mooncake-select", choices=("first", "conversations"), default="first",
+                   help="first N rows, or N rows of multi-turn conversations")
+    g.add_argument("--mooncake-arrival", choices=("trace", "all"), default="trace",
+                   help="trace timestamps / --mooncake-speedup, or all at once")
+    g.add_argument("--mooncake-speedup", type=float, default=1.0,
+                   help="trace time / speedup (1: the first 64 rows arrive over 18 s)")
+    g.add_argument("--mooncake-max-concurrency", type=int, default=None,
+                   help="Mooncake requests in flight at most (no cap)")
+
+    parser = argparse.ArgumentParser(prog="python -m bench",
+                                     description=doc.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=doc.split("\n\n", 1)[1])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("throughput", parents=[common, srv, hf],
+                   help="seqserve vs HF generate tokens/s (issue 2)")
+    sub.add_parser("sweep", parents=[common, swp], help="max_sparsity x max_splits grid (issue 3)")
+    sub.add_parser("partition", parents=[common, prt], help="plan_partition timing (issue 3)")
+    sub.add_parser("prefix", parents=[common, pfx], help="prefix cache figures (issue 5)")
+    sub.add_parser("serve", parents=[common, srv, slo, load, prs],
+                   help="load generator: arrivals, rate sweep, vLLM alongside (issue 7)")
+    sub.add_parser("peers", parents=[common, srv, hf, slo, prs],
+                   help="seqserve vs HF, transformers CB, vLLM; the ceiling (issue 7)")
+    ce = sub.add_parser("ceiling", parents=[common, hf],
+                        help="the model's own forward throughput at given shapes (issue 7)")
+    ce.add_argument("--batch", type=int, required=True, help="decode rows")
+    ce.add_argument("--context", type=int, required=True, help="cached tokens per row")
+    ce.add_argument("--prompt-len", type=int, required=True, help="prefill prompt length")
+    ce.add_argument("--prefill-batch", type=int, default=None,
+                    help="prompts per prefill forward (default: batch, <= 4096 tokens)")
+    ce.add_argument("--repeats", type=int, default=7, help="timed repeats; the fastest counts")
+    sub.add_parser("all", parents=[common, srv, hf, slo, prs, load, swp, prt, pfx],
+                   help="every figure: peers, sweep, partition, prefix, Poisson sweep")
+    return parser
