@@ -1,12 +1,61 @@
-"""Admission policies: which waiting requests join the running batch this iteration."""
+"""Admission: the bounded waiting queue, and the policies that choose which waiting
+requests join the running batch each iteration."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Iterator, Protocol
 
 from scheduler_service.sequence import Sequence
-from scheduler_service.waiting_queue import WaitingQueue
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its limit; the request is refused at once."""
+
+
+class WaitingQueue:
+    """First come, first served, with at most `max_size` requests."""
+
+    def __init__(self, max_size: int):
+        self.max_size = max_size
+        self._items: deque[Sequence] = deque()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self._items)
+
+    def check_room(self, n: int = 1) -> None:
+        """Raise QueueFull unless `n` more requests fit."""
+        if len(self._items) + n > self.max_size:
+            if n == 1 or len(self._items) >= self.max_size:
+                raise QueueFull(f"the waiting queue is full ({self.max_size} requests); "
+                                "retry later")
+            raise QueueFull(f"{n} prompts do not fit the waiting queue ({len(self._items)} of "
+                            f"{self.max_size} places taken); send fewer or retry later")
+
+    def push(self, seq: Sequence) -> None:
+        self.check_room()
+        self._items.append(seq)
+
+    def push_front(self, seqs: list[Sequence]) -> None:
+        """Put re-admitted sequences back at the head, in their original order."""
+        self._items.extendleft(reversed(seqs))
+
+    def peek(self) -> Sequence | None:
+        return self._items[0] if self._items else None
+
+    def pop(self) -> Sequence:
+        return self._items.popleft()
+
+    def remove(self, seq: Sequence) -> bool:
+        try:
+            self._items.remove(seq)
+            return True
+        except ValueError:
+            return False
 
 
 @dataclass(frozen=True)

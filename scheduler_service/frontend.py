@@ -14,12 +14,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping
 
+from scheduler_service.admission import QueueFull
 from scheduler_service.detokenizer import IncrementalDetokenizer, StopMatcher
 from scheduler_service.loop import IterationLoop
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.params import Limits, RequestError, check_text, resolve
 from scheduler_service.sequence import FinishEvent, FinishReason, Sequence, TokenEvent
-from scheduler_service.waiting_queue import QueueFull
 from scheduler_service.worker_client import WorkerInfo
 from seqserve_common.config import ServingConfig
 

@@ -8,12 +8,12 @@ from typing import Any
 import grpc
 from google.protobuf import message as pb_message
 from google.protobuf import unknown_fields
+from seqserve.v1 import generate_pb2, generate_pb2_grpc
 
+from scheduler_service.admission import QueueFull
 from scheduler_service.frontend import Frontend, GenerationRequest, Unavailable
 from scheduler_service.params import RequestError
 from scheduler_service.sequence import FinishEvent, FinishReason, Sequence, TokenEvent
-from scheduler_service.waiting_queue import QueueFull
-from seqserve.v1 import generate_pb2, generate_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ import logging
 
 from aiohttp import web
 
+from scheduler_service.admission import QueueFull
 from scheduler_service.frontend import Frontend, GenerationRequest, Unavailable
 from scheduler_service.params import RequestError
 from scheduler_service.sequence import FinishEvent, FinishReason, Sequence, TokenEvent
-from scheduler_service.waiting_queue import QueueFull
 
 logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 4 << 20

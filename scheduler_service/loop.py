@@ -15,14 +15,19 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from scheduler_service.admission import Budget, FCFSAdmission
+from scheduler_service.admission import Budget, FCFSAdmission, WaitingQueue
 from scheduler_service.batch_plan import BatchPlanner, StepPlan
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.output import emit_finish, emit_token
 from scheduler_service.sequence import FinishReason, Sequence, Status
-from scheduler_service.waiting_queue import WaitingQueue
-from scheduler_service.worker_client import (StepFailed, StepStream, StepToken,
-                                             WorkerClient, WorkerInfo, WorkerUnavailable)
+from scheduler_service.worker_client import (
+    StepFailed,
+    StepStream,
+    StepToken,
+    WorkerClient,
+    WorkerInfo,
+    WorkerUnavailable,
+)
 
 logger = logging.getLogger(__name__)
 # A sequence that was in this many failed Steps in a row, with no token in between, is

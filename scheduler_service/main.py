@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
+from seqserve.v1 import generate_pb2
 
 from scheduler_service import auth
 from scheduler_service.frontend import Frontend, ServingState
@@ -20,10 +21,13 @@ from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.params import Limits
 from scheduler_service.worker_client import WorkerClient
 from seqserve_common import tls
-from seqserve_common.config import (ConfigError, ServingConfig, process_arguments,
-                                    write_port_file)
+from seqserve_common.config import (
+    ConfigError,
+    ServingConfig,
+    process_arguments,
+    write_port_file,
+)
 from seqserve_common.decoding import DecodingStrategy
-from seqserve.v1 import generate_pb2
 
 logger = logging.getLogger("seqserve.scheduler")
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name

@@ -13,10 +13,10 @@ import time
 from dataclasses import dataclass
 
 import grpc
+from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from scheduler_service.batch_plan import StepPlan
 from seqserve_common.control_channel import GRPC_MESSAGE_OPTIONS
-from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from seqserve_common.decoding import DecodingStrategy
 from scheduler_service.detokenizer import IncrementalDetokenizer, StopMatcher
 from scheduler_service.loop import IterationLoop
 from scheduler_service.params import DecodingConfig
 from scheduler_service.sequence import FinishEvent, Sequence
+from seqserve_common.decoding import DecodingStrategy
 
 
 def greedy_sequence(loop: IterationLoop, tok, text: str, max_new_tokens: int) -> Sequence:

@@ -12,7 +12,12 @@ from transformers import AutoTokenizer
 from scheduler_service.loop import IterationLoop
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.sequence import FinishReason
-from scheduler_service.worker_client import StepAnswer, StepFailed, StepToken, WorkerInfo
+from scheduler_service.worker_client import (
+    StepAnswer,
+    StepFailed,
+    StepToken,
+    WorkerInfo,
+)
 from tests.conftest import tiny_model
 from tests.loop_driver import greedy_sequence, run_to_the_end
 

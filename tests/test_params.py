@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from seqserve_common.decoding import DecodingStrategy
 from scheduler_service.params import Limits, RequestError, check_text, resolve
+from seqserve_common.decoding import DecodingStrategy
 
 LIMITS = Limits(vocab_size=1000, max_position_embeddings=1024, max_new_tokens_limit=512,
                 default_max_new_tokens=64, default_strategy=DecodingStrategy.GREEDY)

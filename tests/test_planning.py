@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from seqserve_common.decoding import DecodingStrategy
-from scheduler_service.admission import Budget, FCFSAdmission
+from scheduler_service.admission import Budget, FCFSAdmission, QueueFull, WaitingQueue
 from scheduler_service.batch_plan import BatchPlanner
 from scheduler_service.params import DecodingConfig
 from scheduler_service.sequence import Sequence
-from scheduler_service.waiting_queue import QueueFull, WaitingQueue
+from seqserve_common.decoding import DecodingStrategy
 
 
 def seq(sid: int, prompt_len: int, max_new: int = 10, generated: int = 0) -> Sequence:
