@@ -9,9 +9,10 @@ fifth slower. One thread, one team.
 The serving process gives that job to its main thread (MainThreadExecutor). glibc serves
 other threads from secondary arenas, which unmap any 64 MB heap that becomes wholly free,
 whatever the trim threshold (host_memory.py): KV buffers that grow and shrink then fault in
-fresh pages again. The main thread's heap keeps them mapped. Replaying the issue-7 burst in
-process on a second thread took 18.5-20.5 s with regrouping 1.0-1.3 s; on the main thread,
-17.7-18.3 s with regrouping 0.5-0.6 s (70 k fewer page faults).
+fresh pages again. The main thread's heap keeps them mapped: the 64-request benchmark
+burst (docs/benchmarks.md) replayed in process took 18.5-20.5 s, regrouping 1.0-1.3 s, on
+a second thread, and 17.7-18.3 s, regrouping 0.5-0.6 s, on the main thread (70 k fewer
+page faults).
 """
 
 from __future__ import annotations

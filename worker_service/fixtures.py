@@ -45,7 +45,7 @@ class ModelSize:
 SIZES = {
     "tiny": ModelSize(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=1000,
                       max_positions=1024, init_std=0.1),
-    # About 80 M parameters: the benchmark model of the issues (Llama, 768 x 8 layers).
+    # About 80 M parameters: the benchmark model (docs/benchmarks.md; Llama, 768 x 8 layers).
     "mid": ModelSize(hidden=768, layers=8, heads=12, kv_heads=12, intermediate=3072, vocab=4000,
                      max_positions=2048, init_std=0.02),
 }

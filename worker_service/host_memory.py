@@ -6,9 +6,10 @@ its mmap threshold (at most 32 MB) with fresh pages from the kernel and unmaps t
 free, so every such tensor of every step pays page faults again (on this project's CPUs
 about five times the cost of writing the memory). Turning mmap off for allocations
 (M_MMAP_MAX = 0) and never trimming the heap keeps those pages mapped for the next step.
-Replaying the issue-7 burst in process: page faults 0.6-0.8 million -> 0.4 million with the
-threshold raised (bf16 KV); with float32 KV, whose per-layer buffers pass 32 MB, 190
-thousand -> about a thousand once mmap was off. The price: the worker's resident memory
+On the 64-request benchmark burst replayed in process (docs/benchmarks.md), raising the
+threshold cut page faults from 0.6-0.8 million to 0.4 million (bf16 KV); with float32 KV,
+whose per-layer buffers pass 32 MB, turning mmap off cut them from 190 thousand to about
+a thousand. The price: the worker's resident memory
 stays at its peak, as a preallocated KV cache would (vLLM allocates its whole KV space at
 start).
 """

@@ -20,10 +20,10 @@ from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
 logger = logging.getLogger("seqserve.worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 # Host memory mapped at start for KV buffers (at most option.kv_cache_bytes): the first
-# burst's groups then reuse mapped pages. On the mid benchmark model with float32 KV (the
-# CPU fallback without the native decoding loop) the issue-7 burst of 64 requests peaked
-# near 2.5 GiB resident with 1 GiB premapped; 2 GiB took its first run's page faults from
-# 190 thousand to 1.3 thousand.
+# burst's groups then reuse mapped pages. 2 GiB because the 64-request benchmark burst
+# (docs/benchmarks.md) on the mid model with float32 KV (the CPU fallback without the
+# native decoding loop) peaks near 2.5 GiB resident: 1 GiB premapped left its first run
+# with 190 thousand page faults, 2 GiB with 1.3 thousand.
 PREMAP_BYTES = 2 << 30
 
 

@@ -1,4 +1,10 @@
-"""Loads a Hugging Face causal LM and runs forwards over rows of a KV group."""
+"""Loads a Hugging Face causal LM and runs a step's one packed forward and its output layer.
+
+At load it chooses the KV dtype, routes the layers through the CPU kernels where they
+apply (worker_service.kernels) and probes each layer's key and value shapes. `forward`
+runs every token of a `PackedBatch`, whatever its groups, in one call of the base model;
+its keys and values land in their groups' buffers.
+"""
 
 from __future__ import annotations
 
@@ -67,7 +73,7 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) 
     """The dtype of the KV buffers. auto: the model's, except on CPU where torch's attention
     reads half-precision keys one query row at a time far below memory speed (a decoding
     step over 30 rows of 300 slots, 12 heads of 64: 6.1 ms in bfloat16, 2.7 ms in float32).
-    bfloat16 KV there is read by the native loops (native_attention.py, 0.13 ms);
+    bfloat16 KV there is read by the native loops (kernels/native_attention.py, 0.13 ms);
     where it cannot be built, and for float16, the KV is kept in float32. Half precision
     converts to float32 exactly, so only the rounding inside attention changes."""
     if name == "auto":

@@ -10,9 +10,9 @@ once, only up to the row's length (no padding), and keep scores and sums in floa
   ms for 512 tokens against 4.8 ms through SDPA in bfloat16.
 
 Where the CPU has AVX512-BF16 (and the head size is a multiple of 32) the query-key
-products use its bfloat16 dot instruction, 16 slots at a time. Replaying the issue-7
-burst in process: 4.0-4.2 s, against 4.5-4.7 s with the portable C loop for decoding and
-SDPA for prompts (figures in docs/benchmarks.md).
+products use its bfloat16 dot instruction, 16 slots at a time: the 64-request benchmark
+burst replayed in process takes 4.0-4.2 s with it, 4.5-4.7 s with the portable C loop for
+decoding and SDPA for prompts (figures in docs/benchmarks.md).
 
 The C file is compiled when the worker starts (`cc -O3 -march=native`, about 0.3 s) into a
 temporary directory and loaded with ctypes: no torch headers, no build step at install.
