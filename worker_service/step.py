@@ -37,6 +37,8 @@ class GeneratedToken:
 
 @dataclass
 class StepResult:
+    """A step's tokens, where its time went, and the engine's state after it."""
+
     tokens: list[GeneratedToken] = field(default_factory=list)
     forward_seconds: float = 0.0
     sampling_seconds: float = 0.0
