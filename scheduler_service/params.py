@@ -60,8 +60,7 @@ CONTRASTIVE_DEFAULT_TOP_K = 4
 def _number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RequestError(f"{name} must be a number, got {type(value).__name__}")
-    # Why: JSON (HTTP /invocations) can carry integers of any size; float() of one past
-    # ~1e308 raises OverflowError, which reached the client as HTTP 500.
+    # JSON can carry integers of any size; float() of one past ~1e308 raises OverflowError.
     if isinstance(value, int) and not _fits_float(value):
         raise RequestError(f"{name} must be finite, got an integer of {len(str(abs(value)))} digits")
     if not math.isfinite(value):
@@ -92,8 +91,7 @@ def _in_range(name: str, value: float, lo: float, hi: float, lo_open: bool = Fal
         left = "(" if lo_open else "["
         right = ")" if hi_open else "]"
         hi_text = "inf" if math.isinf(hi) else f"{hi:g}"
-        # Why: f"{v:g}" of an integer past float range (JSON allows any size) raised
-        # OverflowError, which reached the client as HTTP 500 instead of this message.
+        # f"{v:g}" of an integer past float range (JSON allows any size) raises OverflowError.
         got = f"{value:g}" if _fits_float(value) else f"an integer of {len(str(abs(value)))} digits"
         raise RequestError(f"{name} must be in {left}{lo:g}, {hi_text}{right}, got {got}")
 
