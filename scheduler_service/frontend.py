@@ -26,6 +26,10 @@ from seqserve_common.config import ServingConfig
 # No tokenizer packs more characters than this into one token: a longer prompt cannot fit
 # the context, and is refused before tokenizing megabytes costs seconds of CPU.
 MAX_CHARS_PER_TOKEN = 64
+# Choices per prompt (OpenAI's `n`): each is a sequence of its own.
+MAX_CHOICES = 16
+
+Prompt = str | list[int]  # text, or token ids as the model's tokenizer makes them
 
 
 class Unavailable(Exception):
@@ -35,12 +39,14 @@ class Unavailable(Exception):
 @dataclass(frozen=True)
 class GenerationRequest:
     """One client request as every API hands it in: one or several prompts sharing the
-    decoding parameters (a mapping of parameter names to values, checked by params.resolve)."""
+    decoding parameters (a mapping of parameter names to values, checked by params.resolve),
+    and `n` choices of each. Sequences come back prompt by prompt, choice by choice."""
 
-    prompts: list[str]
+    prompts: list[Prompt]
     params: Mapping[str, Any] = field(default_factory=dict)
     cached_prompt: str = ""
     request_id: str = ""
+    n: int = 1
 
 
 @dataclass(frozen=True)
@@ -77,12 +83,20 @@ class Frontend:
         RequestError, QueueFull or Unavailable; each is counted as a refusal)."""
         try:
             state = self.serving_state()
+            if isinstance(request.n, bool) or not isinstance(request.n, int) or not (
+                    1 <= request.n <= MAX_CHOICES):
+                raise RequestError(f"n must be an integer in [1, {MAX_CHOICES}], got {request.n!r}")
             # Refuse what cannot be queued before tokenizing it.
-            state.loop.waiting.check_room(len(request.prompts))
+            state.loop.waiting.check_room(len(request.prompts) * request.n)
             rid = request.request_id or uuid.uuid4().hex
-            single = len(request.prompts) == 1
-            seqs = [await self._new_sequence(state, text, request, rid if single else f"{rid}-{i}")
-                    for i, text in enumerate(request.prompts)]
+            single = len(request.prompts) * request.n == 1
+            seqs = []
+            for i, prompt in enumerate(request.prompts):
+                first = await self._new_sequence(state, prompt, request,
+                                                 rid if single else f"{rid}-{len(seqs)}")
+                seqs.append(first)
+                for choice in range(1, request.n):
+                    seqs.append(self._another_choice(state, first, choice, f"{rid}-{len(seqs)}"))
             queued = []
             try:
                 for seq in seqs:
@@ -121,12 +135,58 @@ class Frontend:
             if not done and self.state is not None:
                 self.state.loop.cancel(seq)
 
-    async def _new_sequence(self, state: ServingState, inputs: str, request: GenerationRequest,
-                            request_id: str) -> Sequence:
-        cached_prompt = request.cached_prompt
-        check_text("inputs", inputs, required=True)
+    async def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation rendered by the tokenizer's own chat template, ready
+        for the assistant's reply (raises RequestError when the model has none)."""
+        tokenizer = self.serving_state().tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise RequestError("this model's tokenizer has no chat template; use the "
+                               "completions endpoint with a prompt instead")
+
+        def render() -> list[int]:
+            out = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                tokenize=True)
+            return list(out["input_ids"] if isinstance(out, Mapping) else out)
+        try:
+            return await asyncio.to_thread(render)
+        except Exception as exc:  # noqa: BLE001 - a template raises what it likes
+            raise RequestError(f"messages: the chat template refused them ({exc})") from None
+
+    def _another_choice(self, state: ServingState, first: Sequence, choice: int,
+                        request_id: str) -> Sequence:
+        """Choice number `choice` of the same prompt. With a seed, it draws from seed +
+        choice, so the choices differ and the request still reproduces."""
+        seed = (None if first.sampling_seed is None
+                else (first.sampling_seed + choice) % 2**63)
+        return Sequence(
+            seq_id=state.loop.new_seq_id(), request_id=request_id,
+            prompt_ids=list(first.prompt_ids), params=first.params,
+            detokenizer=IncrementalDetokenizer(state.tokenizer, first.prompt_ids),
+            stops=StopMatcher(first.params.stop), sampling_seed=seed,
+            pin_tokens=first.pin_tokens)
+
+    async def _prompt_ids(self, state: ServingState, prompt: Prompt, cached_prompt: str
+                          ) -> tuple[list[int], int]:
+        """(token ids, leading ids of the cached prompt to pin in the prefix cache)."""
+        if not isinstance(prompt, str):
+            if cached_prompt:
+                raise RequestError("cached_prompt works with a text prompt only; put its "
+                                   "tokens at the head of the token ids instead")
+            if not prompt:
+                raise RequestError("the prompt has no token ids; send at least one")
+            vocab = state.limits.vocab_size
+            bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, int)
+                        or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestError(f"prompt token id {bad!r} is not in [0, {vocab}), the "
+                                   "model's vocabulary")
+            if len(prompt) > state.limits.max_position_embeddings:
+                raise RequestError(f"prompt of {len(prompt)} tokens exceeds the model's context "
+                                   f"of {state.limits.max_position_embeddings} tokens")
+            return list(prompt), 0
+        check_text("inputs", prompt, required=True)
         check_text("cached_prompt", cached_prompt, required=False)
-        text = cached_prompt + inputs
+        text = cached_prompt + prompt
         max_chars = MAX_CHARS_PER_TOKEN * state.limits.max_position_embeddings
         if len(text) > max_chars:
             raise RequestError(f"prompt of {len(text)} characters cannot fit the model's context "
@@ -142,6 +202,11 @@ class Frontend:
             alone = await asyncio.to_thread(lambda: state.tokenizer(cached_prompt).input_ids)
             while pin < min(len(alone), len(ids)) and alone[pin] == ids[pin]:
                 pin += 1
+        return ids, pin
+
+    async def _new_sequence(self, state: ServingState, prompt: Prompt,
+                            request: GenerationRequest, request_id: str) -> Sequence:
+        ids, pin = await self._prompt_ids(state, prompt, request.cached_prompt)
         cfg = resolve(request.params, state.limits, len(ids))
         loop = state.loop
         if len(ids) + cfg.max_new_tokens > loop.kv_budget:

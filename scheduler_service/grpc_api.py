@@ -45,8 +45,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     and len(unknown_fields.UnknownFieldSet(request.parameters))):
                 raise RequestError("the request has fields this server does not know; "
                                    "check the client's seqserve.v1 proto")
+            prompt = (list(request.input_ids.ids) if request.WhichOneof("prompt") == "input_ids"
+                      else request.inputs)
             seqs = await self.frontend.submit(GenerationRequest(
-                [request.inputs], _params(request.parameters), request.cached_prompt,
+                [prompt], _params(request.parameters), request.cached_prompt,
                 request.request_id))
         except Unavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))

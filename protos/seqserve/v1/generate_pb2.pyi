@@ -19,16 +19,24 @@ FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("inputs", "cached_prompt", "parameters", "request_id")
+    __slots__ = ("inputs", "input_ids", "cached_prompt", "parameters", "request_id")
     INPUTS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     inputs: str
+    input_ids: TokenIds
     cached_prompt: str
     parameters: DecodingParameters
     request_id: str
-    def __init__(self, inputs: _Optional[str] = ..., cached_prompt: _Optional[str] = ..., parameters: _Optional[_Union[DecodingParameters, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, inputs: _Optional[str] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., cached_prompt: _Optional[str] = ..., parameters: _Optional[_Union[DecodingParameters, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodingParameters(_message.Message):
     __slots__ = ("max_new_tokens", "decoding_strategy", "do_sample", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "seed", "stop", "ignore_eos", "penalty_alpha", "logprobs")
