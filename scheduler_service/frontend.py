@@ -68,7 +68,8 @@ class Frontend:
 
     @property
     def ready(self) -> bool:
-        return self.state is not None and not self.draining
+        """Whether to take traffic: a worker serves and the server is not shutting down."""
+        return self.state is not None and not self.draining and self.state.loop.worker_up
 
     def serving_state(self) -> ServingState:
         """The state to serve a request with (raises Unavailable)."""

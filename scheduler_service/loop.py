@@ -14,6 +14,9 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
+
+import grpc
 
 from scheduler_service.admission import Budget, FCFSAdmission, WaitingQueue
 from scheduler_service.batch_plan import BatchPlanner, StepPlan
@@ -75,6 +78,10 @@ class IterationLoop:
         self._inflight: deque[_InFlight] = deque()
         self._stream: StepStream | None = None
         self._last_answer = 0.0
+        # Whether a worker serves: readiness, as health checks and /ping report it.
+        self.worker_up = True
+        self.on_worker_state: Callable[[bool], None] = lambda up: None
+        self._recovering = False
 
     def _use(self, info: WorkerInfo) -> None:
         """Take up what the loop plans with from a (re)connected worker's Info."""
@@ -110,6 +117,33 @@ class IterationLoop:
     def stop(self) -> None:
         self._stopped = True
         self._wakeup.set()
+
+    async def watch_worker(self, interval: float = 1.0, misses: int = 2) -> None:
+        """Ask the worker for Info every `interval` s while no recovery is running: readiness
+        follows a worker that dies or returns between Steps, and each answer renews this
+        scheduler's lease on the worker's sequences."""
+        missed = 0
+        while not self._stopped:
+            await asyncio.sleep(interval)
+            if self._recovering:
+                missed = 0
+                continue
+            try:
+                await self.worker.fetch_info(timeout=max(2 * interval, 2.0))
+                missed = 0
+                self._set_worker_up(True)
+            except grpc.aio.AioRpcError as exc:
+                missed += 1
+                if missed >= misses and self.worker_up:
+                    logger.error("worker %s does not answer (%s: %s)", self.worker.address,
+                                 exc.code().name, exc.details())
+                    self._set_worker_up(False)
+
+    def _set_worker_up(self, up: bool) -> None:
+        if up != self.worker_up:
+            self.worker_up = up
+            self.metrics.worker_up.set(int(up))
+            self.on_worker_state(up)
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -272,7 +306,8 @@ class IterationLoop:
         # never ran.
         suspects = ({sid for members in failed.plan.groups for sid in members} if failed
                     else set(self.running))
-        self.metrics.worker_up.set(0)
+        self._recovering = True
+        self._set_worker_up(False)
         self._close_stream()  # the Steps sent after the failed one are void
         readmit = list(self.running.values())
         for s in readmit:
@@ -303,12 +338,28 @@ class IterationLoop:
         self.waiting.push_front(readmit)
         self._one_at_a_time = len(readmit)
         try:
-            self._use(await self.worker.wait_ready(self.worker_timeout))
-        except WorkerUnavailable as err:
-            logger.error("%s; failing %d requests", err, len(self.waiting))
-            while len(self.waiting):
-                self._fail(self.waiting.pop(), f"no worker available: {err}")
-            self.metrics.queue_size.set(0)
-            # Keep serving: a worker may come back later for new requests.
-            self._use(await self.worker.wait_ready(None))
-        self.metrics.worker_up.set(1)
+            self._use(await self._wait_for_worker())
+        finally:
+            self._recovering = False
+        self._set_worker_up(True)
+
+    async def _wait_for_worker(self) -> WorkerInfo:
+        """Until a worker serves again. Meanwhile a request fails UNAVAILABLE once it has
+        waited worker_timeout (counted from the failure for those already running), so
+        nothing hangs on a worker that does not come back."""
+        down_since = time.monotonic()
+        while True:
+            try:
+                return await self.worker.wait_ready(1.0)
+            except WorkerUnavailable as err:
+                now = time.monotonic()
+                expired = [s for s in self.waiting
+                           if now - max(s.arrival_time, down_since) >= self.worker_timeout]
+                if expired:
+                    logger.error("%s; failing %d requests that waited %g s", err, len(expired),
+                                 self.worker_timeout)
+                for s in expired:
+                    self.waiting.remove(s)
+                    self._fail(s, f"no worker has served for {self.worker_timeout:g} s "
+                                  f"({err}); retry later")
+                self.metrics.queue_size.set(len(self.waiting))

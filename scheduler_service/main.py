@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2_grpc
 from prometheus_client import start_http_server
 from seqserve.v1 import generate_pb2
 
@@ -20,7 +20,8 @@ from scheduler_service.loop import IterationLoop
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.params import Limits
 from scheduler_service.worker_client import WorkerClient
-from seqserve_common import tls
+from seqserve_common import control_auth, tls
+from seqserve_common import health as health_names
 from seqserve_common.config import (
     ConfigError,
     ServingConfig,
@@ -41,24 +42,29 @@ def load_security(cfg: ServingConfig) -> tuple[tls.TlsFiles | None, tls.TlsFiles
 
 
 async def serve(cfg: ServingConfig, port_file: str | None,
-                security: tuple[tls.TlsFiles | None, tls.TlsFiles | None] | None = None) -> int:
+                security: tuple[tls.TlsFiles | None, tls.TlsFiles | None] | None = None,
+                control_token: str | None = None) -> int:
     from transformers import AutoTokenizer
 
     public_tls, worker_tls = security if security is not None else load_security(cfg)
+    control_token = control_token or control_auth.control_token(cfg)
     metrics = SchedulerMetrics()
     frontend = Frontend(metrics)
     servicer = GenerationServicer(frontend)
     health_servicer = health.aio.HealthServicer()
+
+    async def set_ready(ready: bool) -> None:
+        for name in health_names.readiness_names(SERVICE_NAME):
+            await health_servicer.set(name, health_names.status(ready))
     interceptors = [auth.BearerTokenInterceptor(cfg.auth_token)] if cfg.auth_token else []
     server = grpc.aio.server(interceptors=interceptors,
                              options=[("grpc.max_receive_message_length", PUBLIC_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", PUBLIC_MESSAGE_BYTES)])
     add_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME,
-                                         reflection.SERVICE_NAME), server)
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_names.enable_reflection((SERVICE_NAME,), server, aio=True)
+    await health_servicer.set(health_names.LIVENESS, health_names.SERVING)
+    await set_ready(False)
     if public_tls is not None:
         port = server.add_secure_port(f"{cfg.host}:{cfg.port}", public_tls.server_credentials(
             require_client_auth=public_tls.ca is not None))
@@ -101,7 +107,7 @@ async def serve(cfg: ServingConfig, port_file: str | None,
 
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, cfg.model_id,
                                         trust_remote_code=cfg.trust_remote_code)
-    worker = WorkerClient(cfg.worker_addresses[0], credentials=(
+    worker = WorkerClient(cfg.worker_addresses[0], control_token, credentials=(
         worker_tls.channel_credentials() if worker_tls is not None else None))
     ready = asyncio.ensure_future(worker.wait_ready(None))
     stopped = asyncio.ensure_future(stop.wait())
@@ -124,21 +130,27 @@ async def serve(cfg: ServingConfig, port_file: str | None,
                     default_strategy=DecodingStrategy(cfg.decoding_strategy))
     frontend.state = ServingState(loop, tokenizer, limits, info, cfg)
     metrics.worker_up.set(1)
-    loop_task = asyncio.create_task(loop.run())
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    loop.on_worker_state = lambda up: asyncio.ensure_future(
+        set_ready(up and not frontend.draining))
+    tasks = [asyncio.create_task(loop.run()), asyncio.create_task(loop.watch_worker())]
+    await set_ready(True)
     logger.info("ready: connect to %s:%d (seqserve.v1.Generation)", cfg.host, port)
 
     await stopped
-    logger.info("shutting down: no new requests; draining %d running, %d waiting",
-                len(loop.running), len(loop.waiting))
+    logger.info("shutting down: no new requests; draining %d running, %d waiting for up to "
+                "%g s", len(loop.running), len(loop.waiting), cfg.drain_timeout)
+    # Keep listening while the running requests finish, so a new call is refused with a
+    # clear UNAVAILABLE (front end) instead of failing to connect.
     frontend.draining = True
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.stop(grace=cfg.drain_timeout)
+    await set_ready(False)
+    deadline = time.monotonic() + cfg.drain_timeout
+    while not loop.idle() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await server.stop(grace=0.5)
     await http.stop()
     loop.stop()
-    loop_task.cancel()
+    for task in tasks:
+        task.cancel()
     await worker.close()
     return 0
 
@@ -150,9 +162,10 @@ def main(argv: list[str] | None = None) -> int:
                      "scheduler drives exactly one: give one host:port")
     try:
         security = load_security(cfg)
+        token = control_auth.control_token(cfg)
     except ConfigError as exc:
         parser.error(str(exc))
-    return asyncio.run(serve(cfg, args.port_file, security))
+    return asyncio.run(serve(cfg, args.port_file, security, token))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import grpc
 from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from scheduler_service.batch_plan import StepPlan
+from seqserve_common.control_auth import call_metadata
 from seqserve_common.control_channel import GRPC_MESSAGE_OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -108,8 +109,8 @@ class StepStream:
     """One `Steps` call: Steps go out in order and their answers come back in that order,
     so several may be in flight. Every failure surfaces as StepFailed."""
 
-    def __init__(self, stub: worker_pb2_grpc.WorkerStub):
-        self._call = stub.Steps()
+    def __init__(self, stub: worker_pb2_grpc.WorkerStub, metadata):
+        self._call = stub.Steps(metadata=metadata)
 
     async def send(self, step_id: int, plan: StepPlan) -> None:
         try:
@@ -137,10 +138,12 @@ class StepStream:
 
 
 class WorkerClient:
-    def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None):
-        """`credentials`: mutual TLS (seqserve_common.tls.TlsFiles.channel_credentials());
-        None: a plaintext channel."""
+    def __init__(self, address: str, token: str,
+                 credentials: grpc.ChannelCredentials | None = None):
+        """`token`: the control-plane secret (seqserve_common.control_auth); `credentials`:
+        mutual TLS (seqserve_common.tls.TlsFiles.channel_credentials()), None: plaintext."""
         self.address = address
+        self._metadata = call_metadata(token)
         options = [
             *GRPC_MESSAGE_OPTIONS,
             # Reconnect quickly to a restarted worker instead of gRPC's backoff of minutes.
@@ -155,10 +158,15 @@ class WorkerClient:
         self.info: WorkerInfo | None = None
 
     def open_steps(self) -> StepStream:
-        return StepStream(self.stub)
+        return StepStream(self.stub, self._metadata)
 
     async def reset(self) -> None:
-        await self.stub.Reset(worker_pb2.ResetRequest(), timeout=30)
+        await self.stub.Reset(worker_pb2.ResetRequest(), timeout=30, metadata=self._metadata)
+
+    async def fetch_info(self, timeout: float) -> WorkerInfo:
+        """Info once; also renews this scheduler's lease on the worker's sequences."""
+        return WorkerInfo.from_proto(await self.stub.Info(
+            worker_pb2.InfoRequest(), timeout=timeout, metadata=self._metadata))
 
     async def wait_ready(self, timeout: float | None) -> WorkerInfo:
         """Poll Info until the worker has its model loaded; then drop its old sequences."""
@@ -166,8 +174,7 @@ class WorkerClient:
         last_log = 0.0
         while True:
             try:
-                info = WorkerInfo.from_proto(
-                    await self.stub.Info(worker_pb2.InfoRequest(), timeout=2))
+                info = await self.fetch_info(timeout=2)
                 await self.reset()
                 self.info = info
                 logger.info("worker %s ready: %s (%s, %s)", self.address,
@@ -180,8 +187,10 @@ class WorkerClient:
                         f"worker {self.address} did not answer within {timeout:g} s "
                         f"({exc.code().name}: {exc.details()})") from None
                 if now - last_log > 10:
-                    logger.info("waiting for worker %s (%s: %s)", self.address,
-                                exc.code().name, exc.details())
+                    refused = exc.code() == grpc.StatusCode.UNAUTHENTICATED
+                    logger.log(logging.ERROR if refused else logging.INFO,
+                               "waiting for worker %s (%s: %s)", self.address,
+                               exc.code().name, exc.details())
                     last_log = now
                 await asyncio.sleep(0.2)
 

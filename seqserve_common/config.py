@@ -1,10 +1,11 @@
 """The deployment's configuration: one `serving.properties` file read by every process.
 
 The file uses the seed's (DJL LMI) format: `key=value` lines, `#` comments, also at the
-end of a line. Environment variables override the file the LMI way
-(`OPTION_MAX_SPARSITY=0.2` sets `option.max_sparsity`), and command-line flags
-(`--max-sparsity 0.2`) override both. Unknown keys are warned about by name; a bad value
-stops start-up with the key, the value and what is allowed.
+end of a line after whitespace (a `#` inside a value, as in a path, is kept). Environment
+variables override the file the LMI way (`OPTION_MAX_SPARSITY=0.2` sets
+`option.max_sparsity`), and command-line flags (`--max-sparsity 0.2`) override both. Unknown
+keys are warned about by name; a bad value stops start-up with the key, the value and what
+is allowed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import logging
 import math
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -163,6 +165,15 @@ OPTIONS: tuple[Option, ...] = (
            help="mutual TLS scheduler<->worker: the CA that signed the other side's certificate"),
     Option("auth_token", str, "any string; empty: no token required",
            help="bearer token the public API requires (prefer OPTION_AUTH_TOKEN to a flag)"),
+    Option("control_token", str, "any string of 16 or more characters; empty: use the file",
+           lambda v: v == "" or len(v) >= 16,
+           help="secret the scheduler presents on every worker call (prefer "
+                "OPTION_CONTROL_TOKEN to a flag); empty: the control_token_file's"),
+    Option("control_token_file", str, "a file path; empty: ~/.cache/seqserve/control-token",
+           help="file holding the control-plane secret, readable by its owner only; the "
+                "first process to start creates it"),
+    Option("worker_lease", _finite_float, "a number of seconds > 0", lambda v: v > 0,
+           "a worker drops the sequences of a scheduler silent for this long"),
 )
 _BY_KEY = {o.key: o for o in OPTIONS}
 
@@ -208,17 +219,26 @@ class ServingConfig:
     worker_tls_key_file: str = ""
     worker_tls_ca_file: str = ""
     auth_token: str = field(default="", repr=False)
+    control_token: str = field(default="", repr=False)
+    control_token_file: str = ""
+    worker_lease: float = 30.0
 
 
 assert [f.name for f in fields(ServingConfig)] == [o.key for o in OPTIONS]
 _DEFAULTS = {f.name: f.default for f in fields(ServingConfig)}
 
 
+# A comment starts at a `#` at the start of a line or after whitespace; a `#` inside a
+# value (`option.model_id=/models/a#b`) is part of the value.
+_COMMENT = re.compile(r"(?:^|(?<=\s))#.*$")
+
+
 def parse_properties(text: str, source: str = "serving.properties") -> dict[str, str]:
-    """`key=value` lines; full-line and trailing `#` comments; blank lines ignored."""
+    """`key=value` lines; blank lines ignored. `#` starts a comment at the start of a line
+    or after whitespace (`option.x=y   # note`); elsewhere it belongs to the value."""
     out: dict[str, str] = {}
     for n, line in enumerate(text.splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
+        line = _COMMENT.sub("", line, count=1).strip()
         if not line:
             continue
         key, sep, value = line.partition("=")

@@ -63,8 +63,13 @@ class Engine:
     # --- bookkeeping -----------------------------------------------------------------
 
     def reset(self) -> None:
+        """Drop every sequence and the prefix cache (a scheduler (re)connects)."""
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
+        self.drop_sequences()
+
+    def drop_sequences(self) -> None:
+        """Drop every sequence and its KV; cached prefixes stay (they belong to no one)."""
         self.sequences.clear()
         self.groups.clear()
         self.group_of.clear()

@@ -8,14 +8,15 @@ import threading
 from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2_grpc
 from prometheus_client import start_http_server
-
-from seqserve_common.tls import worker_tls
-from seqserve_common.control_channel import GRPC_MESSAGE_OPTIONS
-from seqserve_common.config import ConfigError, process_arguments, write_port_file
 from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
+
+from seqserve_common import health as health_names
+from seqserve_common.config import ConfigError, process_arguments, write_port_file
+from seqserve_common.control_auth import ControlTokenInterceptor, control_token
+from seqserve_common.control_channel import GRPC_MESSAGE_OPTIONS
+from seqserve_common.tls import worker_tls
 
 logger = logging.getLogger("seqserve.worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -42,34 +43,38 @@ def main(argv: list[str] | None = None) -> int:
     parser, args, cfg = process_arguments("seqserve-worker", __doc__, argv)
     try:
         tls = worker_tls(cfg)
+        token = control_token(cfg)
         device = resolve_device(cfg.device)
     except ConfigError as exc:
         parser.error(str(exc))
 
     # torch and the engine load here, after the configuration is checked (a bad option
     # fails fast).
+    from worker_service.compute import MainThreadExecutor
     from worker_service.engine import Engine
     from worker_service.host_memory import keep_freed_memory
     from worker_service.metrics import WorkerMetrics
     from worker_service.model_runner import ModelRunner
     from worker_service.prefix_cache import PrefixCache
-    from worker_service.compute import MainThreadExecutor
     from worker_service.servicer import WorkerServicer
 
     metrics = WorkerMetrics()
     keep_freed_memory()
     # Every torch call runs on this, the main, thread (compute.py says why).
     compute = MainThreadExecutor()
-    servicer = WorkerServicer(cfg.kv_cache_bytes, metrics, compute)
+    servicer = WorkerServicer(cfg.kv_cache_bytes, metrics, compute,
+                              lease_seconds=cfg.worker_lease)
     health_servicer = health.HealthServicer()
+    # Only a scheduler holding the control-plane token may call the Worker service.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
+                         interceptors=[ControlTokenInterceptor(token)],
                          options=list(GRPC_MESSAGE_OPTIONS))
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME,
-                                         reflection.SERVICE_NAME), server)
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_names.enable_reflection((SERVICE_NAME,), server, aio=False)
+    health_servicer.set(health_names.LIVENESS, health_names.SERVING)
+    for name in health_names.readiness_names(SERVICE_NAME):
+        health_servicer.set(name, health_names.NOT_SERVING)
     if tls is not None:
         # Mutual TLS: only a client (the scheduler) with a certificate signed by
         # option.worker_tls_ca_file gets through the handshake.
@@ -87,13 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("worker listening on %s:%d (%s, metrics %d); loading %s", cfg.host, port,
                 "mutual TLS" if tls is not None else "plaintext", metrics_port, cfg.model_id)
     if tls is None and cfg.host not in ("127.0.0.1", "localhost", "::1"):
-        logger.warning("worker listening on %s without mutual TLS: anyone who reaches the port "
-                       "can drive the model (see docs/security.md)", cfg.host)
+        logger.warning("worker listening on %s without mutual TLS: the control-plane token "
+                       "travels in plaintext (see docs/security.md)", cfg.host)
+
+    stop_lease = threading.Event()
 
     def drain() -> None:
         # Steps already in flight finish during the grace period: the compute loop runs
         # until the server has stopped.
         logger.info("worker shutting down")
+        stop_lease.set()
         health_servicer.enter_graceful_shutdown()
         server.stop(grace=5).wait()
         compute.shutdown()
@@ -124,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     logger.info("warm-up: a %d-token prefill step took %.2f s", cfg.max_prefill_tokens, seconds)
     servicer.attach(engine)
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    threading.Thread(target=servicer.watch_lease, args=(stop_lease,), name="lease",
+                     daemon=True).start()
+    for name in health_names.readiness_names(SERVICE_NAME):
+        health_servicer.set(name, health_names.SERVING)
     logger.info("worker ready: %s on %s, %d KV tokens", cfg.model_id, device,
                 servicer.kv_capacity_tokens)
     compute.serve()  # every Step, until SIGTERM or SIGINT has drained the server

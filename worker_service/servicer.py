@@ -9,11 +9,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Executor, Future
 
 import grpc
-
 from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
+
 from seqserve_common.decoding import DecodingStrategy
 from worker_service.compute import compute_thread
 from worker_service.engine import Engine, StepError
@@ -51,7 +52,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Serializes Steps: the engine runs one iteration at a time."""
 
     def __init__(self, kv_cache_bytes: int, metrics: WorkerMetrics | None = None,
-                 compute: Executor | None = None):
+                 compute: Executor | None = None, lease_seconds: float = 30.0):
         # The server answers (liveness) while the model loads; until `attach` the model
         # RPCs say UNAVAILABLE and health says NOT_SERVING.
         self.engine: Engine | None = None
@@ -64,6 +65,36 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._generation = 0
         # The one thread that runs every torch operation (see compute.py).
         self._compute = compute or compute_thread()
+        # The scheduler's lease on the sequences: every call renews it; past it, with no
+        # Step running, the sequences of a scheduler that died without a word are dropped.
+        self.lease_seconds = lease_seconds
+        self._last_contact = time.monotonic()
+        self._steps_pending = 0
+
+    def _renew(self) -> None:
+        self._last_contact = time.monotonic()
+
+    def _step_done(self, future: Future) -> None:
+        with self._lock:
+            self._steps_pending -= 1
+            self._renew()  # the lease runs from the end of the last Step, not its start
+
+    def watch_lease(self, stop: threading.Event) -> None:
+        """Run until `stop`: drop the sequences once the lease has run out."""
+        while not stop.wait(min(1.0, self.lease_seconds / 4)):
+            engine = self.engine
+            with self._lock:
+                expired = (engine is not None and engine.sequences and not self._steps_pending
+                           and time.monotonic() - self._last_contact > self.lease_seconds)
+                if not expired:
+                    continue
+                self._generation += 1  # the silent scheduler's stream takes no more Steps
+                self._compute.submit(engine.drop_sequences).result()
+            logger.warning("no word from the scheduler for %.0f s (option.worker_lease): "
+                           "dropped its sequences", self.lease_seconds)
+            if self.metrics is not None:
+                self.metrics.sequences.set(0)
+                self.metrics.kv_tokens.set(0)
 
     def attach(self, engine: Engine) -> None:
         self.kv_capacity_tokens = self.kv_cache_bytes // engine.runner.kv_shape.bytes_per_token
@@ -76,6 +107,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def Info(self, request, context):
         engine = self._ready(context)
+        self._renew()
         f = engine.runner.facts
         return worker_pb2.InfoResponse(
             model_id=f.model_id, architecture=f.architecture, vocab_size=f.vocab_size,
@@ -85,6 +117,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def Reset(self, request, context):
         engine = self._ready(context)
+        self._renew()
         with self._lock:
             self._generation += 1
             self._compute.submit(engine.reset).result()
@@ -106,7 +139,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         if self._generation != generation:
                             queued.put(StepError("the worker was reset; open a new stream"))
                             break
-                        queued.put((request, self._submit(engine, request)))
+                        self._renew()
+                        self._steps_pending += 1
+                        future = self._submit(engine, request)
+                        future.add_done_callback(self._step_done)
+                        queued.put((request, future))
             except Exception as exc:  # noqa: BLE001 - the stream broke; the reply loop ends
                 logger.debug("step stream closed while reading: %s", exc)
             queued.put(None)

@@ -1,0 +1,142 @@
+"""The control plane against an attacker and against failures, on real processes: an
+unauthenticated local client cannot drive or read a worker, readiness tells whether a
+worker serves, a request never hangs on a dead worker, and a worker drops the sequences
+of a scheduler that went silent."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.metrics import scrape
+from client import Client
+from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
+from seqserve_common.control_auth import METADATA_KEY
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def health(address: str, service: str) -> str:
+    try:
+        with grpc.insecure_channel(address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=2)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    except grpc.RpcError as exc:
+        return exc.code().name
+
+
+def ping(url: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{url}/ping", timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def worker_sequences(d) -> float:
+    return scrape(d.worker_metrics_url)["seqserve_worker_sequences"]
+
+
+PROMPT, N = "the king rode to the castle and", 120
+
+
+def test_an_unauthenticated_local_client_cannot_drive_or_read_the_worker(llama_dir, deploy):
+    d = deploy(llama_dir)
+    with Client(d.address, timeout=300) as c:
+        undisturbed = c.generate(PROMPT, max_new_tokens=N, ignore_eos=True).token_ids
+        victim: list[int] = []
+        streaming = threading.Event()
+
+        def run_victim():
+            for ch in c.stream(PROMPT, max_new_tokens=N, ignore_eos=True):
+                if ch.token_id is not None:
+                    victim.append(ch.token_id)
+                    streaming.set()
+
+        t = threading.Thread(target=run_victim)
+        t.start()
+        assert streaming.wait(60)
+        refusals = []
+        with grpc.insecure_channel(d.worker.address) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            for metadata in ((), ((METADATA_KEY, "guessed-token-0123456789"),)):
+                calls = [
+                    lambda: stub.Info(worker_pb2.InfoRequest(), timeout=5, metadata=metadata),
+                    lambda: stub.Reset(worker_pb2.ResetRequest(), timeout=5, metadata=metadata),
+                    # Steal the victim's next tokens (sequence ids are small integers).
+                    lambda: list(stub.Steps(iter([worker_pb2.StepRequest(
+                        step_id=1, groups=[worker_pb2.Group(sequence_ids=list(range(1, 9)))])]),
+                        timeout=5, metadata=metadata)),
+                    lambda: list(stub.Steps(iter([worker_pb2.StepRequest(
+                        step_id=1, release=list(range(1, 9)))]), timeout=5, metadata=metadata)),
+                ]
+                for call in calls:
+                    with pytest.raises(grpc.RpcError) as err:
+                        call()
+                    refusals.append((err.value.code(), err.value.details()))
+        t.join(300)
+    assert len(refusals) == 8
+    for code, details in refusals:
+        assert code == grpc.StatusCode.UNAUTHENTICATED, (code, details)
+        assert not any(ch.isdigit() for ch in details), details  # no sequence ids revealed
+    assert victim == undisturbed
+    # Health and reflection stay open for probes.
+    assert health(d.worker.address, "") == "SERVING"
+
+
+def test_readiness_follows_the_worker_and_requests_never_hang(llama_dir, deploy):
+    d = deploy(llama_dir, worker_timeout=3)
+    for name in ("", "readiness", "liveness", "seqserve.v1.Generation"):
+        assert health(d.address, name) == "SERVING", name
+    assert ping(d.http_url) == 200
+    worker_port = d.worker.ports["grpc"]
+    d.worker.proc.kill()  # kill -9, and nothing restarts it yet
+    d.worker.proc.wait()
+    wait_until(lambda: health(d.address, "readiness") == "NOT_SERVING", 10, "readiness to drop")
+    assert health(d.address, "") == "NOT_SERVING"
+    assert health(d.address, "liveness") == "SERVING"  # the scheduler itself is fine
+    assert ping(d.http_url) == 503
+    assert scrape(d.metrics_url)["seqserve_workers_ready"] == 0
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        Client(d.address, timeout=60).generate("hello there", max_new_tokens=4)
+    waited = time.monotonic() - t0
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+    assert "no worker" in err.value.details()
+    assert waited < 3 + 5, waited  # worker_timeout, not the client's deadline
+    assert scrape(d.metrics_url)["seqserve_num_requests_running"] == 0
+    d.start_worker(worker_port)  # a restarted worker on the same address is taken up again
+    wait_until(lambda: health(d.address, "readiness") == "SERVING", 30, "readiness to return")
+    assert ping(d.http_url) == 200
+    with Client(d.address, timeout=60) as c:
+        assert len(c.generate("hello there", max_new_tokens=4, ignore_eos=True).token_ids) == 4
+
+
+def test_a_worker_drops_the_sequences_of_a_scheduler_gone_silent(llama_dir, deploy):
+    d = deploy(llama_dir, worker_options={"worker_lease": 2})
+    with Client(d.address, timeout=300) as c:
+        call = c.stub.Generate(__import__("client.api", fromlist=["x"]).build_request(
+            PROMPT, max_new_tokens=900, ignore_eos=True))
+        for _ in range(3):
+            next(call)
+        assert worker_sequences(d) == 1
+        d.scheduler.proc.kill()  # kill -9: no Reset, no release
+        d.scheduler.proc.wait()
+        t0 = time.monotonic()
+        wait_until(lambda: worker_sequences(d) == 0, 15, "the lease to release the sequence")
+        assert time.monotonic() - t0 < 2 + 5
+    d.start_scheduler()  # a new scheduler takes over cleanly
+    with Client(d.address, timeout=60) as c:
+        assert len(c.generate(PROMPT, max_new_tokens=5, ignore_eos=True).token_ids) == 5
