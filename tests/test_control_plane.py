@@ -13,6 +13,7 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 
 from bench.metrics import scrape
 from client import Client
@@ -96,10 +97,25 @@ def test_an_unauthenticated_local_client_cannot_drive_or_read_the_worker(llama_d
     assert health(d.worker.address, "") == "SERVING"
 
 
+def reflected_services(address: str, version: str) -> list[str]:
+    """The services listed by grpc.reflection.<version> (v1 and v1alpha share messages)."""
+    with grpc.insecure_channel(address) as ch:
+        call = ch.stream_stream(
+            f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+        [answer] = list(call(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                             timeout=5))
+    return [s.name for s in answer.list_services_response.service]
+
+
 def test_readiness_follows_the_worker_and_requests_never_hang(llama_dir, deploy):
     d = deploy(llama_dir, worker_timeout=3)
     for name in ("", "readiness", "liveness", "seqserve.v1.Generation"):
         assert health(d.address, name) == "SERVING", name
+    for address in (d.address, d.worker.address):  # grpcurl and friends speak v1 today
+        for version in ("v1", "v1alpha"):
+            assert "grpc.health.v1.Health" in reflected_services(address, version)
     assert ping(d.http_url) == 200
     worker_port = d.worker.ports["grpc"]
     d.worker.proc.kill()  # kill -9, and nothing restarts it yet
