@@ -37,13 +37,14 @@ from bench.commands.common import DEFAULT_MODEL, prepare
 from bench.commands.prefix import cached_prompt_requests, select_conversations
 from bench.commands.serve import RATE_FRACTIONS, knee
 from bench.commands.sweep import REFERENCE_POINT, SWEEP_SPARSITIES, SWEEP_SPLITS
-from bench.deploy import (Deployment, GaugePeak, Profiler, scrape, server_metrics,
-                          summarize_collapsed, worker_metrics)
+from bench.deployment import Deployment
+from bench.metrics import GaugePeak, scrape, server_metrics, worker_metrics
 from bench.env import environment, machine_cores, model_dtype, resolve_device
 from bench.loadgen import (SeqserveTarget, bench_seqserve, send_all, send_requests,
                            send_sequential)
 from bench.parser import COMMANDS
 from bench.peer_systems import PEERS, bench_hf, bench_hf_cb, run_vllm, vllm_available
+from bench.profiling import Profiler, summarize_collapsed
 from bench.stats import (RequestResult, Slo, goodput, latency_stats, meets, percentile,
                          summarize)
 from bench.workload import (MOONCAKE_BLOCK, TRACE, TRACE_NAME, WORKLOADS, BenchRequest,

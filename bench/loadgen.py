@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from bench.deploy import (Deployment, GaugePeak, Profiler, scrape, server_metrics,
-                          worker_metrics)
+from bench.deployment import Deployment, flags
+from bench.metrics import GaugePeak, scrape, server_metrics, worker_metrics
+from bench.profiling import Profiler
 from bench.stats import RequestResult, Slo, summarize
 from bench.workload import BenchRequest, make_prompt, round_trip_tokens
 
@@ -104,21 +105,27 @@ class SeqserveTarget:
 
     def __init__(self, model_dir: Path | None, tokenizer, *, logdir: Path, dtype: str = "auto",
                  device: str = "auto", max_sparsity: float = 0.33, max_splits: int = 3,
-                 max_rolling_batch_size: int = 64, worker_flags: Sequence[str] = (),
+                 max_rolling_batch_size: int = 64, worker_options: dict | None = None,
                  address: str | None = None, metrics_url: str | None = None,
                  poll_interval: float = 1.0, warm: bool = True,
-                 server_flags: Sequence[str] = ()):
-        self.config = {"max_sparsity": max_sparsity, "max_splits": max_splits,
-                       "max_rolling_batch_size": max_rolling_batch_size}
-        if worker_flags:
-            self.config["worker_flags"] = list(worker_flags)
-        if server_flags:
-            self.config["server_flags"] = list(server_flags)
+                 server_options: dict | None = None):
+        worker_options, server_options = worker_options or {}, server_options or {}
+        scheduler = {"max_sparsity": max_sparsity, "max_splits": max_splits,
+                     "max_rolling_batch_size": max_rolling_batch_size}
+        self.config = dict(scheduler)
+        if worker_options:
+            self.config["worker_flags"] = flags(worker_options)
+        if server_options:
+            self.config["server_flags"] = flags(server_options)
         self.tokenizer, self.poll_interval, self.warm = tokenizer, poll_interval, warm
+        # server_options go to both processes, after each one's own (a later flag wins);
+        # the worker's own options come last. No HTTP port: the load is sent over gRPC.
         self.deployment = None if address else Deployment(
-            model_dir, logdir, dtype=dtype, device=device, worker_flags=worker_flags,
-            server_flags=server_flags, max_sparsity=max_sparsity, max_splits=max_splits,
-            max_rolling_batch_size=max_rolling_batch_size)
+            model_dir, logdir,
+            options={"http_port": -1, **scheduler, **server_options},
+            worker_options={"dtype": dtype, "device": device, **server_options,
+                            **worker_options},
+            start_timeout=300.0, stop_timeout=30.0)
         self._address, self._metrics_url = address, metrics_url
         if address:  # a server someone else started: its configuration is not ours to say
             self.config = {"external_address": address}
@@ -134,7 +141,7 @@ class SeqserveTarget:
 
     def __enter__(self) -> SeqserveTarget:
         if self.deployment:
-            self.deployment.start()
+            self.deployment.start(overlap_loading=True)
             self.worker_metrics_url = self.deployment.worker_metrics_url
         try:
             if self.warm:
@@ -204,8 +211,8 @@ def fresh_prompts(tokenizer, requests: Sequence[BenchRequest]) -> list[BenchRequ
 def bench_seqserve(model_dir: Path, requests: Sequence[BenchRequest], tokenizer, *,
                    max_sparsity: float, max_splits: int, max_rolling_batch_size: int,
                    logdir: Path, dtype: str, device: str, poll_interval: float = 0.1,
-                   worker_flags: Sequence[str] = (), slo: Slo | None = None,
-                   profile_dir: Path | None = None, server_flags: Sequence[str] = ()) -> dict:
+                   worker_options: dict | None = None, slo: Slo | None = None,
+                   profile_dir: Path | None = None, server_options: dict | None = None) -> dict:
     """Start a deployment, warm it up with one short request, run `requests` at once, stop it.
 
     With `profile_dir`, a second run of the same shape (fresh prompts) follows with py-spy
@@ -214,8 +221,8 @@ def bench_seqserve(model_dir: Path, requests: Sequence[BenchRequest], tokenizer,
     with SeqserveTarget(model_dir, tokenizer, logdir=logdir, dtype=dtype, device=device,
                         max_sparsity=max_sparsity, max_splits=max_splits,
                         max_rolling_batch_size=max_rolling_batch_size,
-                        worker_flags=worker_flags, poll_interval=poll_interval,
-                        server_flags=server_flags) as target:
+                        worker_options=worker_options, poll_interval=poll_interval,
+                        server_options=server_options) as target:
         summary = target.run(requests, slo=slo)
         if profile_dir is not None:
             profiled = target.run(fresh_prompts(tokenizer, requests), profile_dir=profile_dir)

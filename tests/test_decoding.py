@@ -17,10 +17,11 @@ import grpc
 import pytest
 import torch
 
+from bench.deployment import Deployment
 from client import AsyncClient, Client
 from scheduler_service.params import Limits, RequestError, resolve
 from tests import reference
-from tests.conftest import Deployment, tiny_model
+from tests.conftest import tiny_model
 
 TIMEOUT = 120
 

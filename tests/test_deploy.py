@@ -148,7 +148,7 @@ def _probe(code: str) -> int:
 
 def test_compose_healthchecks_probe_readiness(llama_dir, tmp_path):
     """The health-check one-liners fail while a process is not SERVING and pass once it is."""
-    from tests.conftest import Deployment
+    from bench.deployment import Deployment
 
     d = Deployment(llama_dir, tmp_path)
     with socket.socket() as s:

@@ -32,11 +32,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.deployment import Deployment
+from bench.metrics import scrape
+from bench.processes import health_status
 from client.api import build_request
 from seqserve.v1 import generate_pb2
 from tests import reference
-from tests.conftest import Deployment, health_status, tiny_model
-from tests.test_splitting import scrape
+from tests.conftest import tiny_model
 
 # Examples per property; each example is a batch of several requests (see COUNTS).
 MIXED_EXAMPLES = 100  # x (5 valid + 9 malformed, one of each kind) gRPC requests

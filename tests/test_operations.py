@@ -13,8 +13,9 @@ import urllib.request
 
 import pytest
 
+from bench.deployment import Deployment
+from bench.processes import health_status
 from client import Client
-from tests.conftest import Deployment, health_status
 
 
 def free_port() -> int:

@@ -11,10 +11,10 @@ import time
 import grpc
 import pytest
 
+from bench.metrics import scrape
+from bench.processes import health_status
 from client import AsyncClient, Client
 from tests import reference
-from tests.conftest import health_status
-from tests.test_splitting import scrape
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:
@@ -162,7 +162,7 @@ def test_step_stream_answers_in_order_and_a_reset_voids_it(llama_dir, tmp_path):
     more Steps, so none of its Steps can run on the reset worker."""
     from scheduler_service.worker_client import StepFailed, WorkerClient
     from seqserve.worker.v1 import worker_pb2
-    from tests.conftest import Deployment
+    from bench.deployment import Deployment
 
     d = Deployment(llama_dir, tmp_path)
     d.start_worker()

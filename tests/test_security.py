@@ -24,12 +24,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.deployment import Deployment
+from bench.processes import health_status
 from client import AsyncClient, Client
 from client import cli
 from seqserve_common import tls
 from seqserve_common.config import ConfigError, ServingConfig, load_config
 from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
-from tests.conftest import REPO, Deployment, health_status
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 

@@ -24,10 +24,10 @@ import grpc
 import pytest
 import torch
 
+from bench.metrics import scrape
+from bench.processes import health_status
 from client import AsyncClient
 from tests import reference
-from tests.conftest import health_status
-from tests.test_splitting import scrape
 
 SECONDS = float(os.environ.get("SOAK_SECONDS", "300"))
 CLIENTS = int(os.environ.get("SOAK_CLIENTS", "256"))

@@ -4,22 +4,9 @@ scheduler's /metrics shows sparsity and splits moving."""
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from bench.metrics import scrape
 from tests.test_generation import _run_staggered, check_against_reference, make_requests
-
-
-def scrape(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}"
-                            if s.labels else "")
-            out[key] = s.value
-    return out
 
 
 def test_partition_changes_keep_outputs_exact_and_metrics_move(llama_dir, deploy):

@@ -101,15 +101,15 @@ def set_command_line(argv: Sequence[str]) -> None:
     _ARGV[:] = argv
 
 
-def server_flags(args) -> list[str]:
-    """--server-option KEY=VALUE (repeatable) as flags for both seqserve processes."""
-    flags = []
+def server_options(args) -> dict[str, str]:
+    """--server-option KEY=VALUE (repeatable): serving options for both seqserve processes."""
+    options = {}
     for opt in getattr(args, "server_option", None) or ():
         key, sep, value = opt.partition("=")
         if not sep or not key:
             raise SystemExit(f"--server-option wants KEY=VALUE, got {opt!r}")
-        flags += [f"--{key.strip().replace('_', '-')}", value.strip()]
-    return flags
+        options[key.strip().replace("-", "_")] = value.strip()
+    return options
 
 
 def slo_limits(args) -> Slo | None:
@@ -119,13 +119,15 @@ def slo_limits(args) -> Slo | None:
 
 def run_seqserve_offline(args, model_dir, requests, tokenizer, meta, name: str,
                          slo: Slo | None = None) -> dict:
+    """seqserve on `requests` all at once. The peak padded-slots gauge is not reported
+    by these commands, so it is polled once a second rather than ten times."""
     profile = Path(args.out) / "profile" / name if getattr(args, "profile", False) else None
     return bench_seqserve(model_dir, requests, tokenizer, max_sparsity=args.max_sparsity,
                           max_splits=args.max_splits,
                           max_rolling_batch_size=args.max_rolling_batch_size,
                           logdir=Path(args.out) / "logs" / name, dtype=meta["dtype"],
                           device=args.device, slo=slo, profile_dir=profile,
-                          poll_interval=1.0, server_flags=server_flags(args))  # the peak gauge is not reported here: poll less
+                          poll_interval=1.0, server_options=server_options(args))
 
 
 def selected_peers(args) -> list[str]:

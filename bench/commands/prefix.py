@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bench.commands.common import (check_context, command_line, ensure_model, logger,
-                                   server_flags, workload_meta)
+                                   server_options, workload_meta)
 from bench.env import environment, model_context, model_dtype
 from bench.loadgen import SeqserveTarget
 from bench.report import prefix_markdown, write
@@ -18,17 +18,18 @@ from bench.workload import (WORKLOADS, BenchRequest, Scale, TraceItem, build_wor
                             round_trip_tokens, trace_arrivals)
 
 
-CACHE_OFF = ("--prompt-cache-bytes", "0")
+CACHE_OFF = {"prompt_cache_bytes": 0}
 
 
 def _cache_on_and_off(args, model_dir: Path, tokenizer, part: str, on_name: str):
     """Yield (name, started deployment) with the prefix cache on, then off; each deployment
     stops when the caller asks for the next one."""
-    for name, flags in ((on_name, ()), ("cache_off", CACHE_OFF)):
+    for name, worker_options in ((on_name, {}), ("cache_off", CACHE_OFF)):
         with SeqserveTarget(model_dir, tokenizer, logdir=Path(args.out) / "logs" / f"{part}-{name}",
-                            dtype=model_dtype(model_dir), device=args.device, worker_flags=flags,
+                            dtype=model_dtype(model_dir), device=args.device,
+                            worker_options=worker_options,
                             max_rolling_batch_size=args.max_rolling_batch_size,
-                            server_flags=server_flags(args)) as target:
+                            server_options=server_options(args)) as target:
             yield name, target
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Sequence
 
 from bench.plots import plot_cdfs, plot_load_sweep
-from bench.commands.common import (logger, prepare, selected_peers, server_flags, slo_limits,
-                                   vllm_kwargs, without_per_request)
+from bench.commands.common import (logger, prepare, selected_peers, server_options,
+                                   slo_limits, vllm_kwargs, without_per_request)
 from bench.loadgen import SeqserveTarget
 from bench.peer_systems import run_vllm, vllm_summary
 from bench.report import serve_markdown, write
@@ -71,7 +71,7 @@ def run(args, prepared=None) -> dict:
                             max_splits=args.max_splits,
                             max_rolling_batch_size=args.max_rolling_batch_size,
                             address=args.address, metrics_url=args.metrics_url,
-                            server_flags=server_flags(args))
+                            server_options=server_options(args))
     points: list[dict] = []
     with target:
         if sweep:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from bench.commands.common import logger, prepare, server_flags
+from bench.commands.common import logger, prepare, server_options
 from bench.loadgen import bench_seqserve
 from bench.plots import plot_sweep
 from bench.report import ratio, sweep_markdown, to_json, write
@@ -30,7 +30,7 @@ def run(args, prepared=None) -> dict:
                 model_dir, requests, tokenizer, max_sparsity=s, max_splits=k,
                 max_rolling_batch_size=args.max_rolling_batch_size, dtype=meta["dtype"],
                 logdir=out_dir / "logs" / f"sweep-s{s:g}-k{k}", device=args.device,
-                server_flags=server_flags(args))
+                server_options=server_options(args))
             summary.pop("per_request")
             result["runs"].append(summary)
             out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,116 @@
+"""A seqserve deployment on this machine: one worker and one scheduler started as real
+processes on loopback ephemeral ports. The benchmarks and the test suite both deploy this way."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from pathlib import Path
+
+from bench.processes import Proc, spawn
+
+logger = logging.getLogger("seqserve.bench")
+
+
+def flags(options: dict) -> list[str]:
+    """Serving options as command-line flags: {"max_splits": 4} -> ["--max-splits", "4"]."""
+    out = []
+    for k, v in options.items():
+        out += [f"--{k.replace('_', '-')}", str(v)]
+    return out
+
+
+class Deployment:
+    """A worker and a scheduler, started with `python -m`; a context manager.
+
+    `options` are the scheduler's serving options and `worker_options` the worker's, as
+    dicts (later keys win, as later flags do); `env` is added to both processes'
+    environment (e.g. OPTION_AUTH_TOKEN). Logs and port files go to `workdir`. Start both
+    with `start()`, or each with `start_worker()` / `start_scheduler()` to test what
+    happens in between."""
+
+    def __init__(self, model_dir: Path, workdir: Path, options: dict | None = None,
+                 worker_options: dict | None = None, *, env: dict | None = None,
+                 start_timeout: float = 120.0, stop_timeout: float = 20.0):
+        self.model_dir, self.workdir = Path(model_dir).resolve(), Path(workdir)
+        self.options = dict(options or {})
+        self.worker_options = dict(worker_options or {})
+        self.env = dict(env or {})
+        self.start_timeout, self.stop_timeout = start_timeout, stop_timeout
+        self.worker: Proc | None = None
+        self.scheduler: Proc | None = None
+
+    @property
+    def procs(self) -> list[Proc]:
+        return [p for p in (self.worker, self.scheduler) if p is not None]
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.scheduler.ports['grpc']}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.scheduler.ports['http']}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.scheduler.ports['metrics']}/metrics"
+
+    @property
+    def worker_metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.worker.ports['metrics']}/metrics"
+
+    def _spawn(self, name: str, module: str, options: dict, wait_ready: bool) -> Proc:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        return spawn(name, module, flags(options), self.workdir, env=self.env,
+                     wait_ready=wait_ready, timeout=self.start_timeout)
+
+    def start_worker(self, port: int = 0, wait_ready: bool = True) -> Proc:
+        """Start the worker on `port` (0: any free one); with `wait_ready`, return once its
+        model is loaded."""
+        opts = {"model_id": self.model_dir, "host": "127.0.0.1", "worker_port": port,
+                "worker_metrics_port": 0, **self.worker_options}
+        self.worker = self._spawn("worker", "worker_service.main", opts, wait_ready)
+        return self.worker
+
+    def start_scheduler(self, worker_port: int | None = None, wait_ready: bool = True) -> Proc:
+        """Start the scheduler against the worker at `worker_port` (default: the started
+        worker's); with `wait_ready`, return once it reports SERVING (its worker is ready)."""
+        port = worker_port or self.worker.ports["grpc"]
+        opts = {"model_id": self.model_dir, "host": "127.0.0.1", "port": 0, "metrics_port": 0,
+                "http_port": 0, "worker_addresses": f"127.0.0.1:{port}", **self.options}
+        self.scheduler = self._spawn("scheduler", "scheduler_service.main", opts, wait_ready)
+        return self.scheduler
+
+    def start(self, overlap_loading: bool = False) -> Deployment:
+        """Start the worker, then the scheduler; return once the scheduler is SERVING.
+
+        With `overlap_loading` the scheduler starts while the worker loads its model, which
+        saves the scheduler's start-up time; without it a worker that fails to load is
+        reported by its own log at once rather than by the scheduler's timeout."""
+        t0 = time.perf_counter()
+        try:
+            self.start_worker(wait_ready=not overlap_loading)
+            self.start_scheduler()
+        except BaseException:
+            self.stop()
+            raise
+        logger.info("deployment up in %.1f s at %s (scheduler %s; worker %s; logs in %s)",
+                    time.perf_counter() - t0, self.address, self.options, self.worker_options,
+                    self.workdir)
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM the scheduler, then the worker; SIGKILL whatever outlives stop_timeout."""
+        for proc in reversed(self.procs):
+            running = proc.proc.poll() is None
+            if proc.stop(timeout=self.stop_timeout) == -signal.SIGKILL and running:
+                logger.warning("%s did not stop in %.0f s; killed it", proc.name,
+                               self.stop_timeout)
+
+    def __enter__(self) -> Deployment:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
