@@ -56,9 +56,9 @@ proto: $(STAMP)
 check-proto: $(STAMP)
 	$(PY) -m pytest -q tests/test_protos.py
 
-# Benchmarks of issues 2, 3, 5 and 7 (throughput vs HF static batches, the sparsity/splits
-# sweep, partition timing, prefix cache, peers and ceiling); results land in bench-results/,
-# figures in docs/. The vLLM peer runs only where `make bench-peers` has set it up.
+# Every benchmark (throughput vs HF static batches, the sparsity/splits sweep, partition
+# timing, prefix cache, peers and ceiling); results land in bench-results/, figures in docs/.
+# The vLLM peer runs only where `make bench-peers` has set it up.
 bench: $(STAMP)
 	$(PY) -m bench all --out bench-results --goodput-ttft-ms 2000 --goodput-tpot-ms 200
 

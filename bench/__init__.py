@@ -1,11 +1,11 @@
 """Benchmarks: seqserve against its peers, splitting sweep, prefix cache, a load generator.
 
-    python -m bench throughput   # seqserve vs HF generate, output tokens/s (issue 2)
-    python -m bench sweep        # max_sparsity x max_splits grid (issue 3)
-    python -m bench partition    # plan_partition time for 512 lengths (issue 3)
-    python -m bench prefix       # cached_prompt TTFT warm vs off, Mooncake (issue 5)
-    python -m bench peers        # seqserve vs HF, transformers CB, vLLM; ceiling (issue 7)
-    python -m bench serve        # load generator: at once, Poisson, trace times (issue 7)
+    python -m bench throughput   # seqserve vs HF generate, output tokens/s
+    python -m bench sweep        # max_sparsity x max_splits grid
+    python -m bench partition    # plan_partition time for 512 lengths
+    python -m bench prefix       # cached_prompt TTFT warm vs off, Mooncake
+    python -m bench peers        # seqserve vs HF, transformers CB, vLLM; ceiling
+    python -m bench serve        # load generator: at once, Poisson, trace times
     python -m bench ceiling      # the model's own forward throughput at given shapes
     python -m bench all          # every figure of docs/benchmarks.md
 

@@ -94,7 +94,8 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                         "with py-spy during a second run (collapsed stacks in OUT/profile/, "
                         "top frames in the report)")
     g.add_argument("--no-throughput-report", action="store_true",
-                   help="peers: do not also write throughput.json/md (issue 2's table)")
+                   help="peers: do not also write throughput.json/md (the HF "
+                        "comparison from the same run)")
     g.add_argument("--vllm-kv-gib", type=int, default=4,
                    help="VLLM_CPU_KVCACHE_SPACE in GiB (4, as seqserve's kv_cache_bytes)")
     g.add_argument("--vllm-threads-bind", default="all",
@@ -138,7 +139,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     g.add_argument("--repeats", type=int, default=201, help="timeit repeats (201)")
 
     pfx = argparse.ArgumentParser(add_help=False)
-    g = pfx.add_argument_group("prefix cache (issue 5)")
+    g = pfx.add_argument_group("prefix cache")
     g.add_argument("--prefix-parts", type=lambda t: [x for x in t.split(",") if x],
                    default=["cached", "mooncake"], help="cached,mooncake (both)")
     g.add_argument("--cached-tokens", type=int, default=512, help="cached_prompt tokens (512)")
@@ -165,16 +166,16 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                                      epilog=doc.split("\n\n", 1)[1])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("throughput", parents=[common, srv, hf],
-                   help="seqserve vs HF generate tokens/s (issue 2)")
-    sub.add_parser("sweep", parents=[common, swp], help="max_sparsity x max_splits grid (issue 3)")
-    sub.add_parser("partition", parents=[common, prt], help="plan_partition timing (issue 3)")
-    sub.add_parser("prefix", parents=[common, pfx], help="prefix cache figures (issue 5)")
+                   help="seqserve vs HF generate tokens/s")
+    sub.add_parser("sweep", parents=[common, swp], help="max_sparsity x max_splits grid")
+    sub.add_parser("partition", parents=[common, prt], help="plan_partition timing")
+    sub.add_parser("prefix", parents=[common, pfx], help="prefix cache figures")
     sub.add_parser("serve", parents=[common, srv, slo, load, prs],
-                   help="load generator: arrivals, rate sweep, vLLM alongside (issue 7)")
+                   help="load generator: arrivals, rate sweep, vLLM alongside")
     sub.add_parser("peers", parents=[common, srv, hf, slo, prs],
-                   help="seqserve vs HF, transformers CB, vLLM; the ceiling (issue 7)")
+                   help="seqserve vs HF, transformers CB, vLLM; the ceiling")
     ce = sub.add_parser("ceiling", parents=[common, hf],
-                        help="the model's own forward throughput at given shapes (issue 7)")
+                        help="the model's own forward throughput at given shapes")
     ce.add_argument("--batch", type=int, required=True, help="decode rows")
     ce.add_argument("--context", type=int, required=True, help="cached tokens per row")
     ce.add_argument("--prompt-len", type=int, required=True, help="prefill prompt length")

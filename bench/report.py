@@ -137,7 +137,7 @@ def partition_markdown(result: dict) -> str:
 
 def prefix_markdown(result: dict) -> str:
     model_dir = result["model"]
-    md = ["## Prefix cache (issue 5)"]
+    md = ["## Prefix cache"]
     if "cached_prompt" in result:
         c = result["cached_prompt"]
         w, o = c["runs"]["cache_warm"], c["runs"]["cache_off"]
@@ -198,7 +198,7 @@ def peers_markdown(result: dict) -> str:
             continue
         rows.append([PEER_NAMES[name], f(s["duration_s"], 2), s["output_tokens"],
                      f(s["output_throughput"]), f(result["ratios"][name], 2)])
-    parts = ["## seqserve and its peers, all requests at once (issue 7)", workload_line(meta),
+    parts = ["## seqserve and its peers, all requests at once", workload_line(meta),
              md_table(["system", "duration s", "output tokens", "output tokens/s",
                        "seqserve / system"], rows)]
     parts += notes

@@ -57,5 +57,5 @@ def run(args, prepared=None) -> dict:
     write(out_dir, "peers", result, md)
     print(md, flush=True)
     if "hf" in systems and not args.no_throughput_report:
-        throughput_report(meta, seq, systems["hf"], out_dir)  # issue 2's figure, same run
+        throughput_report(meta, seq, systems["hf"], out_dir)  # the throughput table, from this run
     return result
