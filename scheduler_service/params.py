@@ -15,6 +15,10 @@ from seqserve_common.decoding import DecodingStrategy
 MAX_STOP_STRINGS = 8
 MAX_STOP_LENGTH = 256
 MAX_LOGPROBS = 5
+# Contrastive search runs one forward row per candidate per step: top_k of the vocabulary
+# size would make one request cost as much as thousands of greedy ones and slow every
+# sequence batched with it. HF's guidance is 4 to 10 candidates; 64 leaves ample room.
+MAX_CONTRASTIVE_TOP_K = 64
 STRATEGIES = tuple(s.value for s in DecodingStrategy)
 
 
@@ -118,17 +122,35 @@ def resolve(params: Mapping[str, Any], limits: Limits, prompt_tokens: int) -> De
 
     max_new = _integer("max_new_tokens", p.get("max_new_tokens", limits.default_max_new_tokens))
     _in_range("max_new_tokens", max_new, 1, limits.max_new_tokens_limit)
-    if prompt_tokens + max_new > limits.max_position_embeddings:
+    context = limits.max_position_embeddings
+    if prompt_tokens + max_new > context:
+        room = context - prompt_tokens  # what max_new_tokens may be with this prompt
+        shorten = f"shorten the prompt to at most {context - max_new} tokens"
+        lower = f"max_new_tokens must be at most {room} (the context minus the prompt)"
+        if room < 1:
+            fix = (shorten if max_new < context else
+                   "shorten the prompt and lower max_new_tokens until both fit")
+        elif max_new >= context:
+            fix = lower  # no prompt is short enough: only a lower max_new_tokens helps
+        else:
+            fix = f"{shorten}, or lower max_new_tokens: {lower}"
         raise RequestError(
             f"prompt of {prompt_tokens} tokens plus max_new_tokens {max_new} exceeds the "
-            f"model's context of {limits.max_position_embeddings} tokens; shorten the prompt "
-            f"to at most {limits.max_position_embeddings - max_new} tokens or lower max_new_tokens")
+            f"model's context of {context} tokens; {fix}")
 
     temperature = _number("temperature", p.get("temperature", 1.0))
     _in_range("temperature", temperature, 0, math.inf, lo_open=True)
     default_k = CONTRASTIVE_DEFAULT_TOP_K if strategy is DecodingStrategy.CONTRASTIVE else 0
     top_k = _integer("top_k", p.get("top_k", default_k))
-    _in_range("top_k", top_k, 1 if strategy is DecodingStrategy.CONTRASTIVE else 0, limits.vocab_size)
+    if strategy is DecodingStrategy.CONTRASTIVE:
+        try:
+            _in_range("top_k", top_k, 1, min(MAX_CONTRASTIVE_TOP_K, limits.vocab_size))
+        except RequestError as exc:
+            raise RequestError(f"{exc} (contrastive search runs a forward row per candidate "
+                               f"per step; the server allows at most {MAX_CONTRASTIVE_TOP_K} "
+                               "candidates)") from None
+    else:
+        _in_range("top_k", top_k, 0, limits.vocab_size)
     top_p = _number("top_p", p.get("top_p", 1.0))
     _in_range("top_p", top_p, 0, 1, lo_open=True)
     typical_p = _number("typical_p", p.get("typical_p", 1.0))
