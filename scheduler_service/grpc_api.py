@@ -92,7 +92,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         return generate_pb2.ModelInfoResponse(
             model_id=cfg.model_id, architecture=info.architecture, vocab_size=info.vocab_size,
             max_position_embeddings=info.max_position_embeddings, dtype=info.dtype,
-            device=info.device, max_new_tokens_limit=state.limits.max_new_tokens_limit,
+            device=info.device,
+            # What a request can actually get: at least one prompt token shares the context.
+            max_new_tokens_limit=min(state.limits.max_new_tokens_limit,
+                                     info.max_position_embeddings - 1),
             decoding_strategy=cfg.decoding_strategy,
             max_rolling_batch_size=cfg.max_rolling_batch_size, max_sparsity=cfg.max_sparsity,
             max_splits=cfg.max_splits, kv_budget_tokens=state.loop.kv_budget,
@@ -142,8 +145,9 @@ def _token(event: TokenEvent) -> generate_pb2.Token:
     tok = generate_pb2.Token(id=event.token_id)
     if event.logprob is not None:
         tok.logprob = event.logprob
-        tok.top_logprobs.extend(generate_pb2.TopLogprob(id=i, logprob=lp)
-                                for i, lp in (event.top or []))
+        texts = event.top_text or [""] * len(event.top or [])
+        tok.top_logprobs.extend(generate_pb2.TopLogprob(id=i, logprob=lp, text=text)
+                                for (i, lp), text in zip(event.top or [], texts))
     return tok
 
 

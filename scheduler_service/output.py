@@ -7,12 +7,22 @@ from scheduler_service.sequence import FinishEvent, FinishReason, Sequence, Toke
 from scheduler_service.worker_client import StepToken
 
 
+def token_text(seq: Sequence, token_id: int) -> str:
+    """One token's text on its own, as the tokenizer decodes it alone (a partial character
+    comes out as U+FFFD; special tokens keep their text, e.g. "</s>")."""
+    tokenizer = seq.detokenizer._tokenizer  # noqa: SLF001 - the sequence's own tokenizer
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
 def emit_token(seq: Sequence, tok: StepToken, eos_ids: frozenset[int]) -> FinishReason | None:
     """Append the token, stream its text, and say whether it ends the sequence."""
     seq.output_ids.append(tok.token_id)
     text, stopped = seq.stops.feed(seq.detokenizer.add(tok.token_id))
-    top = list(tok.top_logprobs) if tok.logprob is not None else None
-    seq.events.put_nowait(TokenEvent(tok.token_id, text, tok.logprob, top))
+    top = top_text = None
+    if tok.logprob is not None:
+        top = list(tok.top_logprobs)
+        top_text = [token_text(seq, token_id) for token_id, _ in top]
+    seq.events.put_nowait(TokenEvent(tok.token_id, text, tok.logprob, top, top_text))
     if stopped:
         return FinishReason.STOP
     if tok.token_id in eos_ids and not seq.params.ignore_eos:

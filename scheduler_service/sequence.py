@@ -32,7 +32,8 @@ class TokenEvent:
     token_id: int
     text: str
     logprob: float | None = None
-    top: list[tuple[int, float]] | None = None
+    top: list[tuple[int, float]] | None = None  # (token id, logprob) alternatives, best first
+    top_text: list[str] | None = None  # each alternative's text on its own, as `top`
 
 
 @dataclass
