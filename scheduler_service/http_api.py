@@ -12,10 +12,12 @@ token (`{"token": {"id", "text", "log_prob"}}`), then one with `text` (what the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from scheduler_service.admission import QueueFull
 from scheduler_service.frontend import Frontend, GenerationRequest, Unavailable
@@ -24,11 +26,76 @@ from scheduler_service.sequence import FinishEvent, FinishReason, Sequence, Toke
 
 logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 4 << 20
+# The whole body must arrive within this many seconds of the headers (4 MiB at 140 KB/s);
+# a client that trickles it gets 408 and its connection closed, so slow senders cannot
+# hold connections and memory open (slowloris).
+BODY_TIMEOUT_S = 30.0
+# A connection that sends no request (none yet, or none since its last answer) for this
+# long is closed. aiohttp's default is an hour.
+KEEPALIVE_TIMEOUT_S = 75.0
+# On stop, how long running requests may go on before their handlers are cancelled (which
+# cancels their sequences). main.py passes option.drain_timeout.
+SHUTDOWN_TIMEOUT_S = 60.0
+# After an answer given before the whole body was read (408, 413), the rest is read and
+# dropped for at most this long before the connection closes, so the client sees the
+# answer rather than a reset. aiohttp's default is 10 s.
+LINGERING_TIME_S = 2.0
 _TOP_LEVEL = {"inputs", "parameters", "cached_prompt", "stream", "request_id"}
 
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message, "code": status}, status=status)
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own errors (413 body too large, 404, 405, ...) in the JSON shape every
+    other error has: `{"error": ..., "code": ...}`."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        if isinstance(exc, web.HTTPRequestEntityTooLarge):
+            message = (f"the request body exceeds the limit of {MAX_BODY_BYTES} bytes; "
+                       "send a smaller request")
+        elif exc.text and not exc.text.startswith(f"{exc.status}:"):
+            message = exc.text
+        else:
+            message = f"{exc.reason} ({request.method} {request.path})"
+        resp = _error(exc.status, message)
+        for name in ("Allow", "WWW-Authenticate"):
+            if name in exc.headers:
+                resp.headers[name] = exc.headers[name]
+        return resp
+
+
+class _QuietServerErrors(logging.Filter):
+    """aiohttp.server logs a malformed request (bad request line, bad header) and a client
+    that went away at ERROR with a traceback, so anyone able to connect could fill the log.
+    The first become a one-line WARNING, the second a DEBUG line; other errors (a bug in a
+    handler) keep their traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            first = str(exc.message).strip().splitlines()[0][:120] if exc.message else ""
+            record.args = (record.getMessage(), exc.code, first)
+            record.msg = "%s: bad HTTP request (%d %s)"
+        elif isinstance(exc, (ConnectionError, asyncio.CancelledError)):
+            logger.debug("%s: the client went away (%r)", record.getMessage(), exc)
+            return False
+        else:
+            return True
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _quiet_aiohttp_server_logs() -> None:
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _QuietServerErrors) for f in server_log.filters):
+        server_log.addFilter(_QuietServerErrors())
 
 
 def _details(ev: FinishEvent) -> dict:
@@ -37,16 +104,32 @@ def _details(ev: FinishEvent) -> dict:
 
 
 class InvocationsApp:
-    def __init__(self, frontend: Frontend):
+    """The HTTP routes. `shutdown_timeout`: how long `stop` lets running requests finish
+    before cancelling them (main.py gives option.drain_timeout); `body_timeout`: seconds
+    for a request body to arrive; `keepalive_timeout`: seconds an idle connection stays."""
+
+    def __init__(self, frontend: Frontend, *, shutdown_timeout: float = SHUTDOWN_TIMEOUT_S,
+                 body_timeout: float = BODY_TIMEOUT_S,
+                 keepalive_timeout: float = KEEPALIVE_TIMEOUT_S):
         self.frontend = frontend
-        self.app = web.Application(client_max_size=MAX_BODY_BYTES)
+        self.shutdown_timeout = shutdown_timeout
+        self.body_timeout = body_timeout
+        self.keepalive_timeout = keepalive_timeout
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors])
         self.app.router.add_post("/invocations", self.invocations)
         self.app.router.add_get("/ping", self.ping)
         self.runner: web.AppRunner | None = None
+        _quiet_aiohttp_server_logs()
 
     async def start(self, host: str, port: int, ssl_context=None) -> int:
         """Listen (HTTPS when `ssl_context` is given); returns the bound port."""
-        self.runner = web.AppRunner(self.app, access_log=None)
+        # handler_cancellation: a client that disconnects cancels its handler, and with
+        # it the sequence (events() cancels it when closed), instead of generating to
+        # max_new_tokens for nobody.
+        self.runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True,
+                                    keepalive_timeout=self.keepalive_timeout,
+                                    lingering_time=LINGERING_TIME_S,
+                                    shutdown_timeout=self.shutdown_timeout)
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port, ssl_context=ssl_context)
         await site.start()
@@ -64,6 +147,12 @@ class InvocationsApp:
     async def invocations(self, request: web.Request) -> web.StreamResponse:
         if not self.frontend.ready:
             return _error(503, "the server is not ready (no worker yet, or shutting down)")
+        try:
+            await asyncio.wait_for(request.read(), self.body_timeout)  # request.json() reuses it
+        except asyncio.TimeoutError:
+            resp = _error(408, f"the request body did not arrive within {self.body_timeout:g} s")
+            resp.force_close()
+            return resp
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError, RecursionError):
@@ -90,7 +179,10 @@ class InvocationsApp:
             return _error(400, "inputs must be a string or a non-empty list of strings")
         if stream and len(batch) > 1:
             return _error(400, "stream supports a single string in inputs")
-        rid = str(body.get("request_id") or "")
+        rid = body.get("request_id")
+        rid = "" if rid is None else rid
+        if not isinstance(rid, str):
+            return _error(400, f"request_id must be a string, got {type(rid).__name__}")
         try:
             seqs = await self.frontend.submit(GenerationRequest(batch, params, cached, rid))
         except Unavailable as exc:
@@ -112,28 +204,39 @@ class InvocationsApp:
 
     async def _collect(self, seq: Sequence):
         parts = []
-        async for ev in self.frontend.events(seq):
-            parts.append(ev.text)
-            if isinstance(ev, FinishEvent):
-                if ev.reason == FinishReason.ERROR:
-                    return _error(503, ev.error or "generation failed")
-                return "".join(parts), _details(ev)
+        # aclosing: when the handler is cancelled (the client went away) the events
+        # generator is closed at once, which cancels the sequence.
+        async with contextlib.aclosing(self.frontend.events(seq)) as events:
+            async for ev in events:
+                parts.append(ev.text)
+                if isinstance(ev, FinishEvent):
+                    if ev.reason == FinishReason.ERROR:
+                        return _error(503, ev.error or "generation failed")
+                    return "".join(parts), _details(ev)
 
     async def _stream(self, request, seq: Sequence) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "application/jsonlines"})
         await resp.prepare(request)
         parts = []
-        async for ev in self.frontend.events(seq):
-            parts.append(ev.text)
-            if isinstance(ev, TokenEvent):
-                line = {"token": {"id": ev.token_id, "text": ev.text, "log_prob": ev.logprob}}
-            else:
-                # `text`: what the end released (held-back stop prefix, an incomplete
-                # last character), so the token texts plus it make generated_text.
-                line = {"text": ev.text, "generated_text": "".join(parts),
-                        "details": _details(ev)}
-                if ev.reason == FinishReason.ERROR:
-                    line = {"error": ev.error, "code": 503}
-            await resp.write((json.dumps(line) + "\n").encode())
-        await resp.write_eof()
+        try:
+            # aclosing: a write to a client that went away ends the loop, and the events
+            # generator is closed at once, which cancels the sequence.
+            async with contextlib.aclosing(self.frontend.events(seq)) as events:
+                async for ev in events:
+                    parts.append(ev.text)
+                    if isinstance(ev, TokenEvent):
+                        line = {"token": {"id": ev.token_id, "text": ev.text,
+                                          "log_prob": ev.logprob}}
+                    else:
+                        # `text`: what the end released (held-back stop prefix, an
+                        # incomplete last character), so the token texts plus it make
+                        # generated_text.
+                        line = {"text": ev.text, "generated_text": "".join(parts),
+                                "details": _details(ev)}
+                        if ev.reason == FinishReason.ERROR:
+                            line = {"error": ev.error, "code": 503}
+                    await resp.write((json.dumps(line) + "\n").encode())
+            await resp.write_eof()
+        except ConnectionError as exc:
+            logger.debug("request %s: the client went away (%s)", seq.request_id, exc)
         return resp
