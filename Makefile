@@ -10,6 +10,11 @@ DEFAULT_MODEL := models/tiny-llama
 MODEL_ID ?=
 PORT ?= 8000
 WORKER_PORT ?= 8100
+# Derived from PORT and WORKER_PORT (8080, 8001, 8101 by default), so a second instance
+# needs only `make run PORT=9000 WORKER_PORT=9100`; each can be set on its own too.
+HTTP_PORT ?= $(shell expr $(PORT) + 80)
+METRICS_PORT ?= $(shell expr $(PORT) + 1)
+WORKER_METRICS_PORT ?= $(shell expr $(WORKER_PORT) + 1)
 
 .PHONY: install run test test-slow soak bench bench-peers proto check-proto model clean
 
@@ -26,17 +31,26 @@ $(DEFAULT_MODEL)/seqserve_fixture.json: $(STAMP) worker_service/fixtures.py
 model: $(DEFAULT_MODEL)/seqserve_fixture.json
 
 # Starts one worker in the background and the scheduler in the foreground; Ctrl-C stops both.
-run: $(STAMP)
-	@model="$(MODEL_ID)"; \
-	if [ -z "$$model" ]; then \
-	  $(MAKE) --no-print-directory model || exit 1; model="$(DEFAULT_MODEL)"; \
+# A worker that exits is started again after 2 s (the scheduler re-admits its requests).
+# The model is a prerequisite rather than a $(MAKE) call in the recipe, so `make -n run`
+# only prints the commands.
+run: $(STAMP) $(if $(MODEL_ID),,model)
+	@model="$(or $(MODEL_ID),$(DEFAULT_MODEL))"; \
+	if [ -z "$(MODEL_ID)" ]; then \
 	  echo "MODEL_ID not given: serving the generated random-weight model $$model"; \
 	  echo "(set MODEL_ID=/path/to/hf-model, or a hub name where a hub is reachable)"; \
 	fi; \
-	$(VENV)/bin/seqserve-worker --model-id "$$model" --worker-port $(WORKER_PORT) & wpid=$$!; \
+	( trap 'kill $$w 2>/dev/null; exit 0' TERM; \
+	  while :; do \
+	    $(VENV)/bin/seqserve-worker --model-id "$$model" --worker-port $(WORKER_PORT) \
+	      --worker-metrics-port $(WORKER_METRICS_PORT) & w=$$!; \
+	    wait $$w; echo "seqserve-worker exited ($$?); restarting it in 2 s" >&2; sleep 2; \
+	  done ) & wpid=$$!; \
 	trap "kill $$wpid 2>/dev/null" EXIT INT TERM; \
 	echo "connect: $(VENV)/bin/seqserve --address 127.0.0.1:$(PORT) generate \"Once upon a time\" --max-new-tokens 50"; \
+	echo "HTTP: http://127.0.0.1:$(HTTP_PORT)/invocations; metrics: :$(METRICS_PORT) (scheduler), :$(WORKER_METRICS_PORT) (worker)"; \
 	$(VENV)/bin/seqserve-scheduler --model-id "$$model" --port $(PORT) \
+	  --http-port $(HTTP_PORT) --metrics-port $(METRICS_PORT) \
 	  --worker-addresses 127.0.0.1:$(WORKER_PORT)
 
 test: $(STAMP)
