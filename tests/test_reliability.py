@@ -132,7 +132,7 @@ def test_no_worker_within_timeout_gives_unavailable(llama_dir, deploy):
             for _ in call:
                 pass
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "no worker available" in err.value.details()
+        assert "no worker has served" in err.value.details()
 
 
 def test_sigterm_drains_running_requests(llama_dir, deploy):
@@ -160,40 +160,49 @@ def test_step_stream_answers_in_order_and_a_reset_voids_it(llama_dir, tmp_path):
     """The worker's Steps stream runs pipelined Steps in order (the scheduler sends the
     next one before the previous answer arrives); after a Reset the old stream takes no
     more Steps, so none of its Steps can run on the reset worker."""
+    from scheduler_service.batch_plan import StepPlan
+    from scheduler_service.params import DecodingConfig
+    from scheduler_service.partition import Partition
+    from scheduler_service.sequence import Sequence
     from scheduler_service.worker_client import StepFailed, WorkerClient
-    from seqserve.worker.v1 import worker_pb2
+    from seqserve_common.decoding import DecodingStrategy
+    from seqserve_common.config import ServingConfig
+    from seqserve_common.control_auth import control_token
     from bench.deployment import Deployment
 
     d = Deployment(llama_dir, tmp_path)
     d.start_worker()
 
+    def seq(i):
+        return Sequence(seq_id=i, request_id=str(i), prompt_ids=[5, 6, 7], params=DecodingConfig(
+            max_new_tokens=8, strategy=DecodingStrategy.GREEDY), detokenizer=None, stops=None,
+            sampling_seed=0)
+
     def step(step_id, live, new=(), release=()):
-        return worker_pb2.StepRequest(
-            step_id=step_id, release=list(release),
-            prefill=[worker_pb2.NewSequence(sequence_id=i, token_ids=[5, 6, 7]) for i in new],
-            groups=[worker_pb2.Group(sequence_ids=live)])
+        return step_id, StepPlan(list(release), [seq(i) for i in new], [live],
+                                 Partition((), 0, 0.0), regrouped=True)
 
     async def scenario():
-        client = WorkerClient(d.worker.address)
+        client = WorkerClient(d.worker.address, control_token(ServingConfig()))
         await client.wait_ready(30)
         stream = client.open_steps()
         plans = [step(1, [1], new=[1]), step(2, [1, 2], new=[2]), step(3, [2], release=[1]),
                  step(4, [2, 3], new=[3])]
         for p in plans[:2]:
-            await stream.send(p)
+            await stream.send(*p)
         answers = []
         for p in plans[2:]:
             answers.append(await stream.receive())
-            await stream.send(p)
+            await stream.send(*p)
         answers += [await stream.receive(), await stream.receive()]
-        got = [(a.step_id, sorted(t.sequence_id for t in a.tokens)) for a in answers]
+        got = [(a.step_id, sorted(t.seq_id for t in a.tokens)) for a in answers]
         await client.reset()
-        await stream.send(step(5, [2, 3]))
+        await stream.send(*step(5, [2, 3]))
         with pytest.raises(StepFailed) as err:
             await stream.receive()
         stream.close()
         fresh = client.open_steps()
-        await fresh.send(step(6, [9], new=[9]))
+        await fresh.send(*step(6, [9], new=[9]))
         after = await fresh.receive()
         fresh.close()
         await client.close()
@@ -205,4 +214,4 @@ def test_step_stream_answers_in_order_and_a_reset_voids_it(llama_dir, tmp_path):
         d.stop()
     assert got == [(1, [1]), (2, [1, 2]), (3, [2]), (4, [2, 3])]
     assert err.code == "FAILED_PRECONDITION" and "reset" in err.details
-    assert [t.sequence_id for t in after.tokens] == [9]
+    assert [t.seq_id for t in after.tokens] == [9]

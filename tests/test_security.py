@@ -29,6 +29,7 @@ from bench.processes import health_status
 from client import AsyncClient, Client
 from client import cli
 from seqserve_common import tls
+from seqserve_common.control_auth import call_metadata, control_token
 from seqserve_common.config import ConfigError, ServingConfig, load_config
 from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.conftest import REPO
@@ -278,10 +279,13 @@ def test_worker_requires_client_certificate(secure, certs):
 
     def info(channel: grpc.Channel):
         with channel as ch:
-            return worker_pb2_grpc.WorkerStub(ch).Info(worker_pb2.InfoRequest(), timeout=10)
+            return worker_pb2_grpc.WorkerStub(ch).Info(
+                worker_pb2.InfoRequest(), timeout=10,
+                metadata=call_metadata(control_token(ServingConfig())))
 
     # The scheduler holds the right client certificate, so requests are served (above); a
-    # plaintext channel, a TLS channel with no certificate and one from another CA are not.
+    # plaintext channel, a TLS channel with no certificate and one from another CA are not,
+    # even with the control-plane token.
     code, _ = rpc_code(lambda: info(grpc.insecure_channel(address)))
     assert code == grpc.StatusCode.UNAVAILABLE
     code, _ = rpc_code(lambda: info(grpc.secure_channel(address, _creds(certs))))
