@@ -119,6 +119,10 @@ class IncrementalDetokenizer:
         self._num_generated = 0
 
     @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self._tokenizer
+
+    @property
     def num_generated(self) -> int:
         """Number of generated token ids added so far."""
         return self._num_generated

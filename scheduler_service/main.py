@@ -75,7 +75,8 @@ async def serve(cfg: ServingConfig, port_file: str | None,
     if cfg.metrics_port >= 0:
         httpd, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=metrics.registry)
         metrics_port = httpd.server_port
-    http = InvocationsApp(frontend)
+    # What drain_timeout left running gets half a second, as gRPC streams do, then is cut.
+    http = InvocationsApp(frontend, shutdown_timeout=0.5)
     if cfg.auth_token:
         http.app.middlewares.append(auth.bearer_middleware(cfg.auth_token))
     http_ssl = public_tls.server_ssl_context() if public_tls is not None else None
@@ -146,8 +147,7 @@ async def serve(cfg: ServingConfig, port_file: str | None,
     deadline = time.monotonic() + cfg.drain_timeout
     while not loop.idle() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    await server.stop(grace=0.5)
-    await http.stop()
+    await asyncio.gather(server.stop(grace=0.5), http.stop())
     loop.stop()
     for task in tasks:
         task.cancel()

@@ -10,7 +10,7 @@ from scheduler_service.worker_client import StepToken
 def token_text(seq: Sequence, token_id: int) -> str:
     """One token's text on its own, as the tokenizer decodes it alone (a partial character
     comes out as U+FFFD; special tokens keep their text, e.g. "</s>")."""
-    tokenizer = seq.detokenizer._tokenizer  # noqa: SLF001 - the sequence's own tokenizer
+    tokenizer = seq.detokenizer.tokenizer
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 

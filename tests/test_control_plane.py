@@ -1,10 +1,12 @@
 """The control plane against an attacker and against failures, on real processes: an
 unauthenticated local client cannot drive or read a worker, readiness tells whether a
 worker serves, a request never hangs on a dead worker, and a worker drops the sequences
-of a scheduler that went silent."""
+of a scheduler that went silent, and a shutdown keeps to its drain timeout."""
 
 from __future__ import annotations
 
+import json
+import signal
 import threading
 import time
 import urllib.error
@@ -156,3 +158,37 @@ def test_a_worker_drops_the_sequences_of_a_scheduler_gone_silent(llama_dir, depl
     d.start_scheduler()  # a new scheduler takes over cleanly
     with Client(d.address, timeout=60) as c:
         assert len(c.generate(PROMPT, max_new_tokens=5, ignore_eos=True).token_ids) == 5
+
+
+def test_drain_timeout_bounds_every_request_and_late_calls_get_unavailable(llama_dir, deploy):
+    d = deploy(llama_dir, drain_timeout=2)
+    body = json.dumps({"inputs": PROMPT, "parameters": {"max_new_tokens": 900,
+                                                        "ignore_eos": True}}).encode()
+
+    def http_request():
+        req = urllib.request.Request(f"{d.http_url}/invocations", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=120).read()
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass  # cut by the shutdown: what matters is when
+
+    with Client(d.address, timeout=120) as c:
+        stream = c.stub.Generate(__import__("client.api", fromlist=["x"]).build_request(
+            PROMPT, max_new_tokens=900, ignore_eos=True))
+        next(stream)
+        t = threading.Thread(target=http_request)
+        t.start()
+        wait_until(lambda: scrape(d.metrics_url)["seqserve_num_requests_running"] == 2, 30,
+                   "both requests to run")
+        t0 = time.monotonic()
+        d.scheduler.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: health(d.address, "readiness") != "SERVING", 5, "readiness to drop")
+        with pytest.raises(grpc.RpcError) as late:
+            c.generate("hello", max_new_tokens=2)
+        assert late.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in late.value.details()
+        assert d.scheduler.proc.wait(30) == 0
+        elapsed = time.monotonic() - t0
+        t.join(30)
+    assert elapsed < 2 + 3, elapsed

@@ -1,4 +1,4 @@
-"""Issue 4 acceptance over real processes: contrastive search, seeded sampling, stop
+"""Decoding over real processes: contrastive search, seeded sampling, stop
 strings, parameter validation and log-probabilities.
 
 Expected outputs come from plain Hugging Face forwards, one request at a time, with no

@@ -1,4 +1,4 @@
-"""Issue 8 point 1: fuzzing one running deployment with malformed and valid requests.
+"""Fuzzing one running deployment with malformed and valid requests.
 
 Malformed requests (empty input, a prompt past the context, max_new_tokens out of range,
 invalid UTF-8 on the wire, NUL characters, unknown protobuf fields, NaN and infinite

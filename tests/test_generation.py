@@ -1,4 +1,4 @@
-"""Issue 2 acceptance over real processes: greedy outputs equal model.generate alone."""
+"""Over real processes: greedy outputs equal model.generate alone."""
 
 from __future__ import annotations
 

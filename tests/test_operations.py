@@ -1,4 +1,4 @@
-"""Issue 6 over real processes: health readiness, DJL /invocations, and a real Prometheus
+"""Operations over real processes: health readiness, DJL /invocations, and a real Prometheus
 server scraping both processes."""
 
 from __future__ import annotations

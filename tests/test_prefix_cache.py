@@ -1,4 +1,4 @@
-"""Issue 5: prefix reuse of KV on the worker is exact, bounded, and visible in metrics."""
+"""Prefix reuse of KV on the worker is exact, bounded, and visible in metrics."""
 
 from __future__ import annotations
 

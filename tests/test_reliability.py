@@ -1,4 +1,4 @@
-"""Issue 8 over real processes: backpressure, cancellation, deadlines, worker crash with no
+"""Reliability over real processes: backpressure, cancellation, deadlines, worker crash with no
 lost token, no worker at all, and graceful shutdown."""
 
 from __future__ import annotations

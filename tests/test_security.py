@@ -1,4 +1,4 @@
-"""Issue 8 point 6 over real processes: TLS on the public port, mutual TLS between scheduler
+"""Security over real processes: TLS on the public port, mutual TLS between scheduler
 and worker, the bearer token, and configuration errors that stop start-up.
 
 Certificates are made here with the openssl command: a CA, a server certificate for

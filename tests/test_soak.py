@@ -1,4 +1,4 @@
-"""Issue 8 point 7: a soak test. 256 concurrent streaming clients for 5 minutes against
+"""A soak test. 256 concurrent streaming clients for 5 minutes against
 one deployment with a bounded queue; every answer is checked against model.generate, the
 only failures allowed are explicit RESOURCE_EXHAUSTED, and the RSS of the scheduler and
 the worker must stop growing after a warm-up.

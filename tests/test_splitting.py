@@ -1,4 +1,4 @@
-"""Issue 3 over real processes: the partition changes often, outputs stay exact, and the
+"""Batch splitting over real processes: the partition changes often, outputs stay exact, and the
 scheduler's /metrics shows sparsity and splits moving."""
 
 from __future__ import annotations
