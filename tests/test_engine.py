@@ -159,7 +159,7 @@ def test_kv_dtype_auto_on_cpu_is_bfloat16_with_the_native_loop_else_float32(monk
     assert resolve_kv_dtype("float32", torch.bfloat16, cpu) == torch.float32
     with pytest.raises(ValueError, match="kv dtype 'int8'"):
         resolve_kv_dtype("int8", torch.bfloat16, cpu)
-    monkeypatch.setattr(native_attention, "_loaded", [None])  # as where no compiler exists
+    monkeypatch.setattr(native_attention, "kernel", lambda: None)  # as where no compiler exists
     assert resolve_kv_dtype("auto", torch.bfloat16, cpu) == torch.float32
 
 
@@ -185,7 +185,7 @@ def test_kv_buffers_skip_the_zero_fill_only_where_the_native_loops_read_them(mon
     assert native_attention.supports(big[:1, :, :1, :64], big[..., :64].contiguous(),
                                      big[..., :64].contiguous())
     assert ModelRunner(str(tiny_model("llama")), dtype="float32").kv_shape.reads_padding
-    monkeypatch.setattr(native_attention, "_loaded", [None])
+    monkeypatch.setattr(native_attention, "kernel", lambda: None)
     runner = ModelRunner(str(bf16_dir), dtype="bfloat16", kv_dtype="bfloat16")
     assert runner.kv_shape.reads_padding
     group = KVGroup(runner.kv_shape)
@@ -263,7 +263,7 @@ def test_float32_kv_of_a_bfloat16_model_gives_its_tokens(monkeypatch):
     outs = []
     for kv_dtype, native in (("float32", True), ("bfloat16", True), ("bfloat16", False)):
         if not native:
-            monkeypatch.setattr(native_attention, "_loaded", [None])
+            monkeypatch.setattr(native_attention, "kernel", lambda: None)
         runner = ModelRunner(str(model_dir), dtype="bfloat16", kv_dtype=kv_dtype)
         assert runner.kv_shape.dtype == getattr(torch, kv_dtype)
         engine = Engine(runner)

@@ -85,7 +85,7 @@ def test_tokens_with_and_without_the_c_loops(monkeypatch):
     outs = []
     for on in (True, False):
         if not on:
-            monkeypatch.setattr(fused_layers, "_loaded", [None])
+            monkeypatch.setattr(fused_layers, "library", lambda: None)
         runner = ModelRunner(str(bf16_model("qwen2")), dtype="bfloat16")
         engine = Engine(runner)
         steps = [engine.step([], [PrefillSpec(i, p, 0, DecodingParams(logprobs=0))

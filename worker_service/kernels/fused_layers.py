@@ -16,6 +16,7 @@ else, and any call with other dtypes, devices or shapes, runs the model's own co
 from __future__ import annotations
 
 import ctypes
+import functools
 import inspect
 import sys
 import types
@@ -33,16 +34,12 @@ FUNCTIONS = {
     "rms_norm_bf16": ([_P, _P, _P, _I, _I, _I, _I, _F], None),
     "rotary_bf16": ([_P, _P, _P, _P, _I, _I, _I, _I, _I], None),
 }
-_loaded: list = []  # [library or None] once tried
-
-
+@functools.cache
 def library() -> ctypes.CDLL | None:
     """The C library, built on first use; None where it cannot be built."""
-    if not _loaded:
-        _loaded.append(native_build.build(SOURCE, "SEQSERVE_FUSED_LAYERS",
-                                          "norms and rotary embeddings run eagerly",
-                                          FUNCTIONS))
-    return _loaded[0]
+    return native_build.build(SOURCE, "SEQSERVE_FUSED_LAYERS",
+                               "norms and rotary embeddings run eagerly",
+                               FUNCTIONS)
 
 
 def _same_code(fn, ref) -> bool:

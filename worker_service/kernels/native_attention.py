@@ -24,6 +24,7 @@ half-precision KV in float32 instead (model_runner.resolve_kv_dtype).
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 import torch
@@ -38,16 +39,12 @@ FUNCTIONS = {
                               ctypes.c_int),
     "prompt_attention_bf16": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I], ctypes.c_int),
 }
-_loaded: list = []  # [library or None] once tried
-
-
+@functools.cache
 def kernel() -> ctypes.CDLL | None:
     """The C library, built on first use; None where it cannot be built."""
-    if not _loaded:
-        _loaded.append(native_build.build(SOURCE, "SEQSERVE_NATIVE_ATTENTION",
-                                          "half-precision KV is kept in float32 on CPU",
-                                          FUNCTIONS))
-    return _loaded[0]
+    return native_build.build(SOURCE, "SEQSERVE_NATIVE_ATTENTION",
+                               "half-precision KV is kept in float32 on CPU",
+                               FUNCTIONS)
 
 
 def supports(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
