@@ -119,6 +119,8 @@ OPTIONS: tuple[Option, ...] = (
            "scheduler gRPC port (0: pick a free one)"),
     Option("http_port", int, "a port in [0, 65535], or -1 to disable",
            lambda v: -1 <= v <= 65535, "scheduler HTTP port for POST /invocations"),
+    Option("openai_port", int, "a port in [0, 65535], or -1 to disable",
+           lambda v: -1 <= v <= 65535, "scheduler HTTP port of the OpenAI-compatible API (/v1)"),
     Option("metrics_port", int, "a port in [0, 65535], or -1 to disable",
            lambda v: -1 <= v <= 65535, "scheduler Prometheus /metrics port"),
     Option("worker_port", int, "a port in [0, 65535]", lambda v: 0 <= v <= 65535,
@@ -198,6 +200,7 @@ class ServingConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     http_port: int = 8080
+    openai_port: int = 8081
     metrics_port: int = 8001
     worker_port: int = 8100
     worker_metrics_port: int = 8101
