@@ -121,6 +121,8 @@ OPTIONS: tuple[Option, ...] = (
            lambda v: -1 <= v <= 65535, "scheduler HTTP port for POST /invocations"),
     Option("openai_port", int, "a port in [0, 65535], or -1 to disable",
            lambda v: -1 <= v <= 65535, "scheduler HTTP port of the OpenAI-compatible API (/v1)"),
+    Option("served_model_name", str, "any string; empty: the model_id",
+           help="the model name the OpenAI-compatible API lists and accepts (besides model_id)"),
     Option("metrics_port", int, "a port in [0, 65535], or -1 to disable",
            lambda v: -1 <= v <= 65535, "scheduler Prometheus /metrics port"),
     Option("worker_port", int, "a port in [0, 65535]", lambda v: 0 <= v <= 65535,
@@ -201,6 +203,7 @@ class ServingConfig:
     port: int = 8000
     http_port: int = 8080
     openai_port: int = 8081
+    served_model_name: str = ""
     metrics_port: int = 8001
     worker_port: int = 8100
     worker_metrics_port: int = 8101
