@@ -44,7 +44,7 @@ def load_security(cfg: ServingConfig) -> tuple[tls.TlsFiles | None, tls.TlsFiles
 async def serve(cfg: ServingConfig, port_file: str | None,
                 security: tuple[tls.TlsFiles | None, tls.TlsFiles | None] | None = None,
                 control_token: str | None = None) -> int:
-    from transformers import AutoTokenizer
+    from seqserve_common.model_source import load_tokenizer
 
     public_tls, worker_tls = security if security is not None else load_security(cfg)
     control_token = control_token or control_auth.control_token(cfg)
@@ -106,8 +106,7 @@ async def serve(cfg: ServingConfig, port_file: str | None,
     for sig in (signal.SIGTERM, signal.SIGINT):
         aloop.add_signal_handler(sig, stop.set)
 
-    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, cfg.model_id,
-                                        trust_remote_code=cfg.trust_remote_code)
+    tokenizer = await asyncio.to_thread(load_tokenizer, cfg)
     worker = WorkerClient(cfg.worker_addresses[0], control_token, credentials=(
         worker_tls.channel_credentials() if worker_tls is not None else None))
     ready = asyncio.ensure_future(worker.wait_ready(None))

@@ -90,8 +90,14 @@ def _addresses(text: str) -> tuple[str, ...]:
 OPTIONS: tuple[Option, ...] = (
     Option("engine", str, "any engine name (kept for DJL compatibility)",
            help="DJL engine name; seqserve runs its own engine whatever it says"),
-    Option("model_id", str, "a local model directory or a hub name",
-           help="Hugging Face model directory or hub id"),
+    Option("model_id", str, "a local model directory, a hub name or a .gguf file",
+           help="Hugging Face model directory or hub id, or the path of a .gguf file"),
+    Option("tokenizer", str, "a local tokenizer directory, a hub name, a .gguf file or empty",
+           help="tokenizer directory or hub id; empty: the model's"),
+    Option("gguf_cache_dir", str, "a directory path, or empty to load a .gguf file each time",
+           help="where the worker keeps a .gguf model converted once (dequantized, "
+                "save_pretrained) to load it faster afterwards; relative to the working "
+                "directory"),
     Option("tensor_parallel_degree", int, "1 (one worker per accelerator)",
            lambda v: v == 1, "tensor parallelism per worker (only 1)"),
     Option("dtype", _dtype, "fp32, bf16, fp16 (or float32, bfloat16, float16, auto)",
@@ -189,6 +195,8 @@ class ServingConfig:
 
     engine: str = "Python"
     model_id: str = ""
+    tokenizer: str = ""
+    gguf_cache_dir: str = "models"
     tensor_parallel_degree: int = 1
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"

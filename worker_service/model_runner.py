@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+from seqserve_common.model_source import gguf_kwargs, model_files
 from worker_service import attention
 from worker_service.kernels import fused_layers, linear_prepack, native_attention
 from worker_service.kv_groups import KVShape
@@ -93,13 +94,16 @@ class ModelRunner:
 
     def __init__(self, model_id: str, dtype: str = "float32", device: str = "cpu",
                  trust_remote_code: bool = False, prepack: bool = True,
-                 kv_dtype: str = "auto"):
+                 kv_dtype: str = "auto", gguf_cache_dir: str | None = None):
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; use auto or one of "
                              f"{', '.join(DTYPES)}")
         self.device = torch.device(device)
         impl = attention.register()
-        config = AutoConfig.from_pretrained(model_id, trust_remote_code=trust_remote_code)
+        # A .gguf file loads from its converted copy in gguf_cache_dir (made on first use).
+        path, gguf_file = model_files(model_id, gguf_cache_dir)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                            **gguf_kwargs(gguf_file))
         layer_types = getattr(config, "layer_types", None)
         if layer_types and len(set(layer_types)) > 1:
             raise ValueError(
@@ -110,8 +114,9 @@ class ModelRunner:
             self.sliding_window = None
         # "auto" keeps the dtype the checkpoint was saved in, as transformers does.
         model = AutoModelForCausalLM.from_pretrained(
-            model_id, dtype="auto" if dtype == "auto" else DTYPES[dtype],
-            attn_implementation=impl, trust_remote_code=trust_remote_code)
+            path, dtype="auto" if dtype == "auto" else DTYPES[dtype],
+            attn_implementation=impl, trust_remote_code=trust_remote_code,
+            **gguf_kwargs(gguf_file, weights=True))
         self.model = model.to(self.device).eval()
         self.dtype = self.model.dtype
         dtype = {v: k for k, v in DTYPES.items()}.get(self.dtype, str(self.dtype))
@@ -122,7 +127,7 @@ class ModelRunner:
             model_id=model_id,
             architecture=(config.architectures or [type(self.model).__name__])[0],
             vocab_size=int(self.lm_head.weight.shape[0]),
-            eos_token_ids=_eos_ids(model_id, config, trust_remote_code),
+            eos_token_ids=_eos_ids(path, config, trust_remote_code),
             max_position_embeddings=_max_positions(config),
             dtype=dtype,
             device=str(self.device),
