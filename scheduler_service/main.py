@@ -18,6 +18,7 @@ from scheduler_service.grpc_api import GenerationServicer, add_to_server
 from scheduler_service.http_api import InvocationsApp
 from scheduler_service.loop import IterationLoop
 from scheduler_service.metrics import SchedulerMetrics
+from scheduler_service.openai_api import OpenAIApp
 from scheduler_service.params import Limits
 from scheduler_service.worker_client import WorkerClient
 from seqserve_common import control_auth, tls
@@ -82,11 +83,17 @@ async def serve(cfg: ServingConfig, port_file: str | None,
     http_ssl = public_tls.server_ssl_context() if public_tls is not None else None
     http_port = (await http.start(cfg.host, cfg.http_port, http_ssl)
                  if cfg.http_port >= 0 else -1)
+    openai_app = OpenAIApp(frontend, (cfg.served_model_name, cfg.model_id),
+                           token=cfg.auth_token, shutdown_timeout=0.5)
+    openai_port = (await openai_app.start(cfg.host, cfg.openai_port, http_ssl)
+                   if cfg.openai_port >= 0 else -1)
     # Ports are known now; readiness is the health service's to tell (SERVING once a
     # worker is connected), so a supervisor can tell a starting server from a dead one.
-    write_port_file(port_file, {"grpc": port, "metrics": metrics_port, "http": http_port})
-    logger.info("scheduler listening on %s:%d (HTTP %d, metrics %d); loading tokenizer of %s",
-                cfg.host, port, http_port, metrics_port, cfg.model_id)
+    write_port_file(port_file, {"grpc": port, "metrics": metrics_port, "http": http_port,
+                                "openai": openai_port})
+    logger.info("scheduler listening on %s:%d (HTTP %d, OpenAI %d, metrics %d); loading "
+                "tokenizer of %s", cfg.host, port, http_port, openai_port, metrics_port,
+                cfg.model_id)
     public_mode = ("plaintext" if public_tls is None else
                    "TLS" if public_tls.ca is None else "mutual TLS")
     logger.info("public API: %s%s; workers: %s", public_mode,
@@ -114,7 +121,7 @@ async def serve(cfg: ServingConfig, port_file: str | None,
     await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if not ready.done():
         ready.cancel()
-        await http.stop()
+        await asyncio.gather(http.stop(), openai_app.stop())
         await server.stop(0)
         return 0
     info = ready.result()
@@ -146,7 +153,7 @@ async def serve(cfg: ServingConfig, port_file: str | None,
     deadline = time.monotonic() + cfg.drain_timeout
     while not loop.idle() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    await asyncio.gather(server.stop(grace=0.5), http.stop())
+    await asyncio.gather(server.stop(grace=0.5), http.stop(), openai_app.stop())
     loop.stop()
     for task in tasks:
         task.cancel()
