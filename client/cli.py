@@ -2,6 +2,7 @@
 
     seqserve generate "Once upon a time" --max-new-tokens 50
     seqserve info
+    seqserve chat                  # over the OpenAI-compatible API (--openai-url)
     SEQSERVE_TOKEN=... seqserve --address host:8000 --tls-ca-file ca.pem info
 """
 
@@ -47,6 +48,66 @@ def _info(args) -> int:
     return 0
 
 
+def _chat(args) -> int:
+    """Read a line, stream the assistant's reply, keep the conversation; /exit or EOF quits."""
+    import openai
+
+    client = openai.OpenAI(base_url=args.openai_url, api_key=args.token or "none",
+                           max_retries=0, timeout=args.timeout)
+    try:
+        model = args.model or client.models.list().data[0].id
+    except openai.APIError as exc:
+        sys.stderr.write(f"seqserve: {args.openai_url}: {_api_error(exc)}\n")
+        return 1
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    options = {k: v for k, v in (("max_tokens", args.max_tokens), ("seed", args.seed),
+                                 ("temperature", args.temperature)) if v is not None}
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stdout.write("you> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            return 0
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line.rstrip("\n")})
+        reply, usage, finish = [], None, None
+        try:
+            stream = client.chat.completions.create(
+                model=model, messages=history, stream=True,
+                stream_options={"include_usage": True}, **options)
+            for chunk in stream:
+                usage = chunk.usage or usage
+                for choice in chunk.choices:
+                    finish = choice.finish_reason or finish
+                    if choice.delta.content:
+                        reply.append(choice.delta.content)
+                        sys.stdout.write(choice.delta.content)
+                        sys.stdout.flush()
+        except openai.APIConnectionError as exc:
+            sys.stderr.write(f"seqserve: {args.openai_url}: {exc}\n")
+            return 1
+        except openai.APIError as exc:
+            history.pop()  # the server refused it: the turn did not happen
+            sys.stderr.write(f"seqserve: {_api_error(exc)}\n")
+            continue
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        history.append({"role": "assistant", "content": "".join(reply)})
+        if args.verbose and usage is not None:
+            sys.stderr.write(f"[finish_reason={finish} prompt_tokens={usage.prompt_tokens} "
+                             f"completion_tokens={usage.completion_tokens}]\n")
+
+
+def _api_error(exc) -> str:
+    status = getattr(exc, "status_code", None)
+    body = exc.body if isinstance(getattr(exc, "body", None), dict) else {}
+    message = body.get("message") or str(exc)
+    return f"{status}: {message}" if status else message
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="seqserve", description="seqserve client")
     parser.add_argument("--address", default=os.environ.get("SEQSERVE_ADDRESS", "127.0.0.1:8000"),
@@ -78,6 +139,21 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=_generate)
     info = sub.add_parser("info", help="show the served model and limits")
     info.set_defaults(func=_info)
+    chat = sub.add_parser("chat", help="chat with the model over the OpenAI-compatible API "
+                          "(/exit or end of input quits)")
+    chat.add_argument("--openai-url", default=os.environ.get("SEQSERVE_OPENAI_URL",
+                                                             "http://127.0.0.1:8081/v1"),
+                      help="base URL of the OpenAI-compatible API (default "
+                      "$SEQSERVE_OPENAI_URL or http://127.0.0.1:8081/v1)")
+    chat.add_argument("--model", help="model name (default: the one the server lists)")
+    chat.add_argument("--system", help="a system message to start the conversation with")
+    chat.add_argument("--max-tokens", type=int, default=None)
+    chat.add_argument("--temperature", type=float, default=None)
+    chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument("--timeout", type=float, default=600.0, help="seconds per reply")
+    chat.add_argument("-v", "--verbose", action="store_true",
+                      help="print finish reason and token counts after each reply")
+    chat.set_defaults(func=_chat)
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
         return args.func(args)
