@@ -38,12 +38,24 @@ class Deployment:
         self.worker_options = dict(worker_options or {})
         self.env = dict(env or {})
         self.start_timeout, self.stop_timeout = start_timeout, stop_timeout
-        self.worker: Proc | None = None
+        self.workers: list[Proc] = []
         self.scheduler: Proc | None = None
 
     @property
+    def worker(self) -> Proc | None:
+        """The first worker (the only one unless start_worker was called again)."""
+        return self.workers[0] if self.workers else None
+
+    @worker.setter
+    def worker(self, proc: Proc) -> None:
+        if self.workers:
+            self.workers[0] = proc
+        else:
+            self.workers.append(proc)
+
+    @property
     def procs(self) -> list[Proc]:
-        return [p for p in (self.worker, self.scheduler) if p is not None]
+        return [p for p in (*self.workers, self.scheduler) if p is not None]
 
     @property
     def address(self) -> str:
@@ -52,6 +64,10 @@ class Deployment:
     @property
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.scheduler.ports['http']}"
+
+    @property
+    def openai_url(self) -> str:
+        return f"http://127.0.0.1:{self.scheduler.ports['openai']}/v1"
 
     @property
     def metrics_url(self) -> str:
@@ -66,20 +82,26 @@ class Deployment:
         return spawn(name, module, flags(options), self.workdir, env=self.env,
                      wait_ready=wait_ready, timeout=self.start_timeout)
 
-    def start_worker(self, port: int = 0, wait_ready: bool = True) -> Proc:
-        """Start the worker on `port` (0: any free one); with `wait_ready`, return once its
-        model is loaded."""
+    def start_worker(self, port: int = 0, wait_ready: bool = True, index: int = 0) -> Proc:
+        """Start worker number `index` (a restart when it exists, else the next one) on
+        `port` (0: any free one); with `wait_ready`, return once its model is loaded."""
         opts = {"model_id": self.model_dir, "host": "127.0.0.1", "worker_port": port,
                 "worker_metrics_port": 0, **self.worker_options}
-        self.worker = self._spawn("worker", "worker_service.main", opts, wait_ready)
-        return self.worker
+        name = "worker" if index == 0 else f"worker{index}"
+        proc = self._spawn(name, "worker_service.main", opts, wait_ready)
+        if index < len(self.workers):
+            self.workers[index] = proc
+        else:
+            self.workers.append(proc)
+        return proc
 
     def start_scheduler(self, worker_port: int | None = None, wait_ready: bool = True) -> Proc:
-        """Start the scheduler against the worker at `worker_port` (default: the started
-        worker's); with `wait_ready`, return once it reports SERVING (its worker is ready)."""
-        port = worker_port or self.worker.ports["grpc"]
+        """Start the scheduler against the worker at `worker_port` (default: every started
+        worker); with `wait_ready`, return once it reports SERVING (a worker is ready)."""
+        ports = [worker_port] if worker_port else [w.ports["grpc"] for w in self.workers]
         opts = {"model_id": self.model_dir, "host": "127.0.0.1", "port": 0, "metrics_port": 0,
-                "http_port": 0, "worker_addresses": f"127.0.0.1:{port}", **self.options}
+                "http_port": 0, "openai_port": 0,
+                "worker_addresses": ",".join(f"127.0.0.1:{p}" for p in ports), **self.options}
         self.scheduler = self._spawn("scheduler", "scheduler_service.main", opts, wait_ready)
         return self.scheduler
 
