@@ -302,7 +302,7 @@ class OpenAIApp:
 
     async def _answer(self, request, req, rid: str, seqs: list[Sequence], chat: bool
                       ) -> web.StreamResponse:
-        tokenizer = self.frontend.serving_state().tokenizer
+        tokenizer = self.frontend.state.tokenizer  # set: submit succeeded
         wants_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
         choices = [_Choice(i, chat, tokenizer, wants_logprobs) for i in range(len(seqs))]
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion",

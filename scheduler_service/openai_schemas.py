@@ -28,10 +28,7 @@ ROLES = ("system", "developer", "user", "assistant")
 class ApiError(Exception):
     """An error answered as OpenAI's error object, with its HTTP status."""
 
-    TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-             404: "invalid_request_error", 408: "invalid_request_error",
-             413: "invalid_request_error", 429: "rate_limit_exceeded",
-             503: "service_unavailable"}
+    TYPES = {429: "rate_limit_exceeded", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  code: str | None = None):
@@ -39,8 +36,10 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
+        kind = self.TYPES.get(self.status, "invalid_request_error" if self.status < 500
+                              else "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param,
+                          "code": self.code}}
 
 
 def _unsupported(name: str, why: str) -> PydanticCustomError:

@@ -405,6 +405,8 @@ BAD_COMPLETIONS = [
     ({"prompt": _ids(1100), "max_tokens": 1}, "prompt", "context"),
     ({"prompt": "x", "max_tokens": 2000}, "max_tokens", "max_tokens"),
     ({"prompt": [10 ** 6]}, "prompt", "vocabulary"),
+    ({"prompt": "a\u0000b"}, "prompt", "NUL"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be in"),
     ({"prompt": "x", "temperature": 0, "decoding_strategy": "sample"}, "temperature", "greedy"),
 ]
 
@@ -415,6 +417,17 @@ def test_bad_completion_requests_are_400(server, body, param, words):
     status, answer = http(server, "/v1/completions", body)
     assert status == 400, answer
     assert_error(answer, param, words)
+    assert answer["error"]["type"] == "invalid_request_error"
+
+
+def test_http_errors_have_the_openai_shape(server):
+    status, answer = http(server, "/v1/completions",
+                          b'{"prompt": "' + b"a" * (5 << 20) + b'"}')
+    assert status == 413
+    assert_error(answer, None, "exceeds the limit")
+    status, answer = http(server, "/v1/completions", method="GET")
+    assert status == 405
+    assert_error(answer, None, "GET /v1/completions")
     assert answer["error"]["type"] == "invalid_request_error"
 
 
