@@ -16,11 +16,11 @@ from typing import Any, AsyncIterator, Mapping
 
 from scheduler_service.admission import QueueFull
 from scheduler_service.detokenizer import IncrementalDetokenizer, StopMatcher
-from scheduler_service.loop import IterationLoop
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.params import Limits, RequestError, check_text, resolve
 from scheduler_service.sequence import FinishEvent, FinishReason, Sequence, TokenEvent
 from scheduler_service.worker_client import WorkerInfo
+from scheduler_service.worker_pool import WorkerPool
 from seqserve_common.config import ServingConfig
 
 # No tokenizer packs more characters than this into one token: a longer prompt cannot fit
@@ -53,7 +53,7 @@ class GenerationRequest:
 class ServingState:
     """What serving needs once a worker is connected."""
 
-    loop: IterationLoop
+    workers: WorkerPool
     tokenizer: Any  # a transformers tokenizer
     limits: Limits
     worker: WorkerInfo
@@ -69,7 +69,7 @@ class Frontend:
     @property
     def ready(self) -> bool:
         """Whether to take traffic: a worker serves and the server is not shutting down."""
-        return self.state is not None and not self.draining and self.state.loop.worker_up
+        return self.state is not None and not self.draining and self.state.workers.ready
 
     def serving_state(self) -> ServingState:
         """The state to serve a request with (raises Unavailable)."""
@@ -88,7 +88,7 @@ class Frontend:
                     1 <= request.n <= MAX_CHOICES):
                 raise RequestError(f"n must be an integer in [1, {MAX_CHOICES}], got {request.n!r}")
             # Refuse what cannot be queued before tokenizing it.
-            state.loop.waiting.check_room(len(request.prompts) * request.n)
+            state.workers.check_room(len(request.prompts) * request.n)
             rid = request.request_id or uuid.uuid4().hex
             single = len(request.prompts) * request.n == 1
             seqs = []
@@ -101,11 +101,11 @@ class Frontend:
             queued = []
             try:
                 for seq in seqs:
-                    state.loop.submit(seq)
+                    state.workers.submit(seq)
                     queued.append(seq)
             except QueueFull:
                 for seq in queued:
-                    state.loop.cancel(seq)
+                    state.workers.cancel(seq)
                 raise
         except RequestError:
             self.metrics.requests_failed.labels("INVALID_ARGUMENT").inc()
@@ -134,7 +134,7 @@ class Frontend:
                     return
         finally:
             if not done and self.state is not None:
-                self.state.loop.cancel(seq)
+                self.state.workers.cancel(seq)
 
     async def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation rendered by the tokenizer's own chat template, ready
@@ -160,7 +160,7 @@ class Frontend:
         seed = (None if first.sampling_seed is None
                 else (first.sampling_seed + choice) % 2**63)
         return Sequence(
-            seq_id=state.loop.new_seq_id(), request_id=request_id,
+            seq_id=state.workers.new_seq_id(), request_id=request_id,
             prompt_ids=list(first.prompt_ids), params=first.params,
             detokenizer=IncrementalDetokenizer(state.tokenizer, first.prompt_ids),
             stops=StopMatcher(first.params.stop), sampling_seed=seed,
@@ -209,11 +209,11 @@ class Frontend:
                             request: GenerationRequest, request_id: str) -> Sequence:
         ids, pin = await self._prompt_ids(state, prompt, request.cached_prompt)
         cfg = resolve(request.params, state.limits, len(ids))
-        loop = state.loop
-        if len(ids) + cfg.max_new_tokens > loop.kv_budget:
+        workers = state.workers
+        if len(ids) + cfg.max_new_tokens > workers.kv_budget:
             raise RequestError(f"prompt plus max_new_tokens needs {len(ids) + cfg.max_new_tokens}"
-                               f" KV tokens; the workers hold {loop.kv_budget}")
+                               f" KV tokens; a worker holds at most {workers.kv_budget}")
         return Sequence(
-            seq_id=loop.new_seq_id(), request_id=request_id, prompt_ids=list(ids), params=cfg,
+            seq_id=workers.new_seq_id(), request_id=request_id, prompt_ids=list(ids), params=cfg,
             detokenizer=IncrementalDetokenizer(state.tokenizer, ids),
             stops=StopMatcher(cfg.stop), sampling_seed=cfg.seed, pin_tokens=pin)

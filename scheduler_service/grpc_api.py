@@ -98,8 +98,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                      info.max_position_embeddings - 1),
             decoding_strategy=cfg.decoding_strategy,
             max_rolling_batch_size=cfg.max_rolling_batch_size, max_sparsity=cfg.max_sparsity,
-            max_splits=cfg.max_splits, kv_budget_tokens=state.loop.kv_budget,
-            eos_token_ids=sorted(state.loop.eos_ids))
+            max_splits=cfg.max_splits, kv_budget_tokens=state.workers.kv_budget,
+            eos_token_ids=sorted(state.workers.eos_ids))
 
 
 async def _parse_request(data: bytes, context) -> generate_pb2.GenerateRequest:

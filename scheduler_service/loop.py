@@ -54,6 +54,7 @@ class IterationLoop:
                  metrics: SchedulerMetrics, max_prefill_tokens: int, steps_in_flight: int):
         assert worker.info is not None, "connect the worker before starting the loop"
         self.worker = worker
+        self.name = worker.address  # the `worker` label of its metrics
         self._use(worker.info)
         self.max_batch = max_rolling_batch_size
         self.max_prefill_tokens = max_prefill_tokens
@@ -81,6 +82,9 @@ class IterationLoop:
         # Whether a worker serves: readiness, as health checks and /ping report it.
         self.worker_up = True
         self.on_worker_state: Callable[[bool], None] = lambda up: None
+        # Called with the waiting requests when the worker is unreachable; True when it
+        # placed them on other workers (worker_pool.py), which takes them off this loop.
+        self.on_orphans: Callable[[list[Sequence]], bool] = lambda seqs: False
         self._recovering = False
 
     def _use(self, info: WorkerInfo) -> None:
@@ -99,15 +103,27 @@ class IterationLoop:
         """Queue a request (raises QueueFull)."""
         self.waiting.push(seq)
         self.metrics.requests_received.inc()
-        self.metrics.queue_size.set(len(self.waiting))
+        self.metrics.set_waiting(self.name, len(self.waiting))
         self._wakeup.set()
+
+    def adopt(self, seqs: list[Sequence]) -> None:
+        """Take requests another worker's loop could not run, ahead of this one's queue:
+        they arrived earlier. Those that ran are prefilled with the tokens already sent."""
+        self.waiting.push_front(seqs)
+        self.metrics.set_waiting(self.name, len(self.waiting))
+        self._wakeup.set()
+
+    def reserved_tokens(self) -> int:
+        """KV tokens reserved by the running and the waiting requests (placement's load)."""
+        return (sum(s.reserved_tokens for s in self.running.values())
+                + sum(s.reserved_tokens for s in self.waiting))
 
     def cancel(self, seq: Sequence) -> None:
         """The client went away: drop the request now; its KV is released next step."""
         if seq.finished:
             return
         if self.waiting.remove(seq):
-            self.metrics.queue_size.set(len(self.waiting))
+            self.metrics.set_waiting(self.name, len(self.waiting))
         self._finish(seq, FinishReason.CANCELLED, emit=False)
         self._wakeup.set()
 
@@ -138,12 +154,22 @@ class IterationLoop:
                     logger.error("worker %s does not answer (%s: %s)", self.worker.address,
                                  exc.code().name, exc.details())
                     self._set_worker_up(False)
+                    self._hand_off_waiting()
 
     def _set_worker_up(self, up: bool) -> None:
         if up != self.worker_up:
             self.worker_up = up
-            self.metrics.worker_up.set(int(up))
+            self.metrics.set_worker_up(self.name, up)
             self.on_worker_state(up)
+
+    def _hand_off_waiting(self) -> None:
+        """Offer the waiting requests to other workers while this one is unreachable."""
+        seqs = list(self.waiting)
+        if seqs and self.on_orphans(seqs):
+            for s in seqs:
+                self.waiting.remove(s)
+            self._one_at_a_time = 0
+            self.metrics.set_waiting(self.name, len(self.waiting))
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -203,7 +229,7 @@ class IterationLoop:
                 self.metrics.observe_admission(s, now)
             if s.sampling_seed is None:
                 s.sampling_seed = random.getrandbits(63)
-        self.metrics.queue_size.set(len(self.waiting))
+        self.metrics.set_waiting(self.name, len(self.waiting))
         return admitted
 
     def _plan(self, advancing: list[Sequence], admitted: list[Sequence]) -> StepPlan:
@@ -249,9 +275,8 @@ class IterationLoop:
         waited = t2 - max(step.sent, self._last_answer)
         self._last_answer = t3
         reserved = sum(s.reserved_tokens for s in self.running.values())
-        self.metrics.observe_step(step.plan, answer, step.plan_seconds, waited, t3 - t2,
-                                  len(self.running),
-                                  reserved / self.kv_budget if self.kv_budget else 0.0)
+        self.metrics.observe_step(self.name, step.plan, answer, step.plan_seconds, waited, t3 - t2)
+        self.metrics.set_load(self.name, len(self.running), reserved, self.kv_budget)
 
     def _close_stream(self) -> None:
         if self._stream is not None:
@@ -352,6 +377,7 @@ class IterationLoop:
             try:
                 return await self.worker.wait_ready(1.0)
             except WorkerUnavailable as err:
+                self._hand_off_waiting()
                 now = time.monotonic()
                 expired = [s for s in self.waiting
                            if now - max(s.arrival_time, down_since) >= self.worker_timeout]
@@ -362,4 +388,4 @@ class IterationLoop:
                     self.waiting.remove(s)
                     self._fail(s, f"no worker has served for {self.worker_timeout:g} s "
                                   f"({err}); retry later")
-                self.metrics.queue_size.set(len(self.waiting))
+                self.metrics.set_waiting(self.name, len(self.waiting))

@@ -21,6 +21,7 @@ from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.openai_api import OpenAIApp
 from scheduler_service.params import Limits
 from scheduler_service.worker_client import WorkerClient
+from scheduler_service.worker_pool import WorkerPool
 from seqserve_common import control_auth, tls
 from seqserve_common import health as health_names
 from seqserve_common.config import (
@@ -114,58 +115,61 @@ async def serve(cfg: ServingConfig, port_file: str | None,
         aloop.add_signal_handler(sig, stop.set)
 
     tokenizer = await asyncio.to_thread(load_tokenizer, cfg)
-    worker = WorkerClient(cfg.worker_addresses[0], control_token, credentials=(
-        worker_tls.channel_credentials() if worker_tls is not None else None))
-    ready = asyncio.ensure_future(worker.wait_ready(None))
+    credentials = worker_tls.channel_credentials() if worker_tls is not None else None
+    clients = [WorkerClient(address, control_token, credentials=credentials)
+               for address in cfg.worker_addresses]
+
+    def make_loop(client: WorkerClient) -> IterationLoop:
+        return IterationLoop(client, max_rolling_batch_size=cfg.max_rolling_batch_size,
+                             max_queue=cfg.max_queue, max_sparsity=cfg.max_sparsity,
+                             max_splits=cfg.max_splits, worker_timeout=cfg.worker_timeout,
+                             metrics=metrics, max_prefill_tokens=cfg.max_prefill_tokens,
+                             steps_in_flight=cfg.steps_in_flight)
+
+    workers = WorkerPool(clients, make_loop, cfg.max_queue)
+    workers.on_ready_change = lambda ready: asyncio.ensure_future(
+        set_ready(ready and not frontend.draining))
+    ready = asyncio.ensure_future(workers.start())
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if not ready.done():
         ready.cancel()
+        workers.stop()
         await asyncio.gather(http.stop(), openai_app.stop())
         await server.stop(0)
         return 0
     info = ready.result()
-    loop = IterationLoop(worker, max_rolling_batch_size=cfg.max_rolling_batch_size,
-                         max_queue=cfg.max_queue, max_sparsity=cfg.max_sparsity,
-                         max_splits=cfg.max_splits, worker_timeout=cfg.worker_timeout,
-                         metrics=metrics, max_prefill_tokens=cfg.max_prefill_tokens,
-                         steps_in_flight=cfg.steps_in_flight)
     limits = Limits(vocab_size=info.vocab_size,
                     max_position_embeddings=info.max_position_embeddings,
                     max_new_tokens_limit=cfg.max_new_tokens_limit,
                     default_max_new_tokens=cfg.default_max_new_tokens,
                     default_strategy=DecodingStrategy(cfg.decoding_strategy))
-    frontend.state = ServingState(loop, tokenizer, limits, info, cfg)
-    metrics.worker_up.set(1)
-    loop.on_worker_state = lambda up: asyncio.ensure_future(
-        set_ready(up and not frontend.draining))
-    tasks = [asyncio.create_task(loop.run()), asyncio.create_task(loop.watch_worker())]
-    await set_ready(True)
+    frontend.state = ServingState(workers, tokenizer, limits, info, cfg)
+    await set_ready(workers.ready)
     logger.info("ready: connect to %s:%d (seqserve.v1.Generation)", cfg.host, port)
 
     await stopped
     logger.info("shutting down: no new requests; draining %d running, %d waiting for up to "
-                "%g s", len(loop.running), len(loop.waiting), cfg.drain_timeout)
+                "%g s", workers.running(), workers.waiting(), cfg.drain_timeout)
     # Keep listening while the running requests finish, so a new call is refused with a
     # clear UNAVAILABLE (front end) instead of failing to connect.
     frontend.draining = True
     await set_ready(False)
     deadline = time.monotonic() + cfg.drain_timeout
-    while not loop.idle() and time.monotonic() < deadline:
+    while not workers.idle() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     await asyncio.gather(server.stop(grace=0.5), http.stop(), openai_app.stop())
-    loop.stop()
-    for task in tasks:
-        task.cancel()
-    await worker.close()
+    workers.stop()
+    await asyncio.gather(*(c.close() for c in clients))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser, args, cfg = process_arguments("seqserve-scheduler", __doc__, argv)
-    if len(cfg.worker_addresses) != 1:
-        parser.error(f"option.worker_addresses lists {len(cfg.worker_addresses)} workers; this "
-                     "scheduler drives exactly one: give one host:port")
+    duplicates = sorted({a for a in cfg.worker_addresses if cfg.worker_addresses.count(a) > 1})
+    if duplicates:
+        parser.error(f"option.worker_addresses lists {', '.join(duplicates)} more than once; "
+                     "give each worker once")
     try:
         security = load_security(cfg)
         token = control_auth.control_token(cfg)

@@ -75,6 +75,25 @@ class SchedulerMetrics:
                                         "Bytes the worker's prefix cache holds", registry=r)
         self.worker_up = Gauge("seqserve_workers_ready", "Workers connected and serving",
                                registry=r)
+        # Per worker (data parallel): the totals above are their sums.
+        self.worker_ready = Gauge("seqserve_worker_ready", "Whether the worker serves (1) or "
+                                  "not (0)", ["worker"], registry=r)
+        self.worker_running = Gauge("seqserve_worker_num_requests_running",
+                                    "Sequences in the worker's running batch", ["worker"],
+                                    registry=r)
+        self.worker_waiting = Gauge("seqserve_worker_num_requests_waiting",
+                                    "Requests placed on the worker, waiting", ["worker"],
+                                    registry=r)
+        self.worker_kv_used = Gauge("seqserve_worker_kv_budget_used_ratio",
+                                    "Share of the worker's KV token budget reserved by its "
+                                    "running requests", ["worker"], registry=r)
+        self.placed = Counter("seqserve_requests_placed_total",
+                              "Requests placed on each worker (moves after a failure count "
+                              "again)", ["worker"], registry=r)
+        self._waiting: dict[str, int] = {}
+        self._load: dict[str, tuple[int, int, int]] = {}  # worker -> running, reserved, budget
+        self._ready: dict[str, bool] = {}
+        self._kv: dict[str, tuple[int, int, int]] = {}  # prefix-cache bytes, slots, tokens
 
     # --- observations, one per event of the iteration loop ----------------------------------
 
@@ -96,8 +115,26 @@ class SchedulerMetrics:
         if seq.first_token_time is not None:
             self.e2e.observe(now - seq.arrival_time)
 
-    def observe_step(self, plan: StepPlan, answer: StepAnswer, plan_s: float, rpc_s: float,
-                     post_s: float, running: int, kv_used: float) -> None:
+    def set_waiting(self, worker: str, n: int) -> None:
+        self._waiting[worker] = n
+        self.worker_waiting.labels(worker).set(n)
+        self.queue_size.set(sum(self._waiting.values()))
+
+    def set_load(self, worker: str, running: int, reserved: int, budget: int) -> None:
+        self._load[worker] = (running, reserved, budget)
+        self.worker_running.labels(worker).set(running)
+        self.worker_kv_used.labels(worker).set(reserved / budget if budget else 0.0)
+        self.running.set(sum(r for r, _, _ in self._load.values()))
+        total = sum(b for _, _, b in self._load.values())
+        self.kv_budget_used.set(sum(k for _, k, _ in self._load.values()) / total if total else 0.0)
+
+    def set_worker_up(self, worker: str, up: bool) -> None:
+        self._ready[worker] = up
+        self.worker_ready.labels(worker).set(int(up))
+        self.worker_up.set(sum(self._ready.values()))
+
+    def observe_step(self, worker: str, plan: StepPlan, answer: StepAnswer, plan_s: float,
+                     rpc_s: float, post_s: float) -> None:
         """`rpc_s`: the loop's wait for the answer; what the worker did not spend of it is
         the control round trip."""
         worker_s = answer.worker_seconds
@@ -111,9 +148,8 @@ class SchedulerMetrics:
             self.sparsity.observe(plan.partition.sparsity)
         if plan.regrouped:
             self.regroups.inc()
-        self.prefix_cache_bytes.set(answer.prefix_cache_bytes)
-        self.padded_slots.set(answer.kv_slots)
-        self.real_tokens.set(answer.kv_tokens)
+        self._kv[worker] = (answer.prefix_cache_bytes, answer.kv_slots, answer.kv_tokens)
+        self.prefix_cache_bytes.set(sum(v[0] for v in self._kv.values()))
+        self.padded_slots.set(sum(v[1] for v in self._kv.values()))
+        self.real_tokens.set(sum(v[2] for v in self._kv.values()))
         self.regroup_bytes.inc(answer.regroup_bytes)
-        self.running.set(running)
-        self.kv_budget_used.set(kv_used)

@@ -65,6 +65,7 @@ class Sequence:
     pin_tokens: int = 0  # leading tokens of the cached_prompt (pinned in the prefix cache)
     sampling_seed: int | None = None  # fixed at admission so a re-prefill draws the same
     in_flight: int = 0  # tokens of this sequence in Steps sent but not yet answered
+    worker: str = ""  # address of the worker it is placed on (worker_pool.py)
     released: bool = False  # the worker was told to drop it (its last token is in flight)
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None

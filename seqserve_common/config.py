@@ -136,8 +136,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("worker_metrics_port", int, "a port in [0, 65535], or -1 to disable",
            lambda v: -1 <= v <= 65535, "worker Prometheus /metrics port"),
     Option("worker_addresses", _addresses, "comma-separated host:port list",
-           help="the worker the scheduler drives (one host:port; the scheduler refuses "
-                "more than one)"),
+           help="the workers the scheduler drives, each a full replica (data parallel)"),
     Option("max_prefill_tokens", int, "an integer >= 1", lambda v: v >= 1,
            "prompt tokens admitted for prefill per step (one longer prompt still runs alone)"),
     Option("steps_in_flight", int, "an integer >= 1", lambda v: v >= 1,
