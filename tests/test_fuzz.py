@@ -712,6 +712,8 @@ def test_recovery_isolates_a_request_the_worker_cannot_run():
             self.broken = True
 
     class FailingWorker:
+        address = "fake-worker"
+
         def __init__(self, poison: int):
             self.info, self.poison, self.steps, self.failed = info, poison, 0, 0
 

@@ -60,6 +60,8 @@ class RuleKeepingStream:
 
 
 class RuleKeepingWorker:
+    address = "fake-worker"
+
     def __init__(self, eos_seq: int, eos_at: int):
         self.info = WorkerInfo("fake", "FakeForCausalLM", vocab_size=1000,
                                eos_token_ids=frozenset([EOS]), max_position_embeddings=2048,
