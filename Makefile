@@ -16,9 +16,10 @@ TINY_MODEL := models/tiny-llama
 MODEL_ID ?=
 PORT ?= 8000
 WORKER_PORT ?= 8100
-# Derived from PORT and WORKER_PORT (8080, 8001, 8101 by default), so a second instance
+# Derived from PORT and WORKER_PORT (8080, 8081, 8001, 8101 by default), so a second instance
 # needs only `make run PORT=9000 WORKER_PORT=9100`; each can be set on its own too.
 HTTP_PORT ?= $(shell expr $(PORT) + 80)
+OPENAI_PORT ?= $(shell expr $(PORT) + 81)
 METRICS_PORT ?= $(shell expr $(PORT) + 1)
 WORKER_METRICS_PORT ?= $(shell expr $(WORKER_PORT) + 1)
 
@@ -65,8 +66,9 @@ run: $(STAMP) $(if $(MODEL_ID),,model)
 	trap "kill $$wpid 2>/dev/null" EXIT INT TERM; \
 	echo "connect: $(VENV)/bin/seqserve --address 127.0.0.1:$(PORT) generate \"Once upon a time\" --max-new-tokens 50"; \
 	echo "HTTP: http://127.0.0.1:$(HTTP_PORT)/invocations; metrics: :$(METRICS_PORT) (scheduler), :$(WORKER_METRICS_PORT) (worker)"; \
+	echo "OpenAI API: http://127.0.0.1:$(OPENAI_PORT)/v1 (chat: $(VENV)/bin/seqserve chat --openai-url http://127.0.0.1:$(OPENAI_PORT)/v1)"; \
 	$(VENV)/bin/seqserve-scheduler --model-id "$$model" --port $(PORT) \
-	  --http-port $(HTTP_PORT) --metrics-port $(METRICS_PORT) \
+	  --http-port $(HTTP_PORT) --openai-port $(OPENAI_PORT) --metrics-port $(METRICS_PORT) \
 	  --worker-addresses 127.0.0.1:$(WORKER_PORT)
 
 test: $(STAMP)

@@ -17,7 +17,7 @@ from scheduler_service.frontend import Frontend, ServingState
 from scheduler_service.grpc_api import GenerationServicer, add_to_server
 from scheduler_service.http_api import InvocationsApp
 from scheduler_service.loop import IterationLoop
-from scheduler_service.metrics import SchedulerMetrics
+from scheduler_service.metrics import SchedulerMetrics, metrics_route
 from scheduler_service.openai_api import OpenAIApp
 from scheduler_service.params import Limits
 from scheduler_service.worker_client import WorkerClient
@@ -85,7 +85,8 @@ async def serve(cfg: ServingConfig, port_file: str | None,
     http_port = (await http.start(cfg.host, cfg.http_port, http_ssl)
                  if cfg.http_port >= 0 else -1)
     openai_app = OpenAIApp(frontend, (cfg.served_model_name, cfg.model_id),
-                           token=cfg.auth_token, shutdown_timeout=0.5)
+                           token=cfg.auth_token, shutdown_timeout=0.5,
+                           metrics=metrics_route(metrics.registry))
     openai_port = (await openai_app.start(cfg.host, cfg.openai_port, http_ssl)
                    if cfg.openai_port >= 0 else -1)
     # Ports are known now; readiness is the health service's to tell (SERVING once a

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
+                               Histogram, generate_latest)
 
 from scheduler_service.batch_plan import StepPlan
 from scheduler_service.sequence import FinishReason, Sequence
@@ -153,3 +154,14 @@ class SchedulerMetrics:
         self.padded_slots.set(sum(v[1] for v in self._kv.values()))
         self.real_tokens.set(sum(v[2] for v in self._kv.values()))
         self.regroup_bytes.inc(answer.regroup_bytes)
+
+
+def metrics_route(registry: CollectorRegistry):
+    """An aiohttp handler serving `registry` in Prometheus' text format: an inference
+    gateway's endpoint picker reads the gauges on the port it routes to."""
+    from aiohttp import web
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return handler

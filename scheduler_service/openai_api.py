@@ -42,7 +42,7 @@ from scheduler_service.params import RequestError
 from scheduler_service.sequence import FinishEvent, FinishReason, Sequence, TokenEvent
 
 logger = logging.getLogger(__name__)
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 _FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP: "stop",
            FinishReason.CANCELLED: "abort"}
 
@@ -128,7 +128,7 @@ class OpenAIApp:
     def __init__(self, frontend: Frontend, model_names: tuple[str, ...], *, token: str = "",
                  shutdown_timeout: float = SHUTDOWN_TIMEOUT_S,
                  body_timeout: float = BODY_TIMEOUT_S,
-                 keepalive_timeout: float = KEEPALIVE_TIMEOUT_S):
+                 keepalive_timeout: float = KEEPALIVE_TIMEOUT_S, metrics=None):
         self.frontend = frontend
         self.model_names = tuple(dict.fromkeys(n for n in model_names if n))
         self.token = token.encode("utf-8") if token else b""
@@ -142,6 +142,8 @@ class OpenAIApp:
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/v1/models/{model:.+}", self.model)
         self.app.router.add_get("/health", self.health)
+        if metrics is not None:  # /metrics, open like /health (see docs/deployment.md)
+            self.app.router.add_get("/metrics", metrics)
         self.runner: web.AppRunner | None = None
         _quiet_aiohttp_server_logs()
 

@@ -399,18 +399,18 @@ def test_hash_inside_a_properties_value_is_kept():
 # --- 13. `make run` for a second instance -------------------------------------------------
 
 def test_make_run_derives_every_port():
-    """PORT and WORKER_PORT move all five ports (HTTP and metrics used to stay on 8080,
+    """PORT and WORKER_PORT move all six ports (HTTP and metrics used to stay on 8080,
     8001, 8101, so a second instance died with `Address already in use`). VENV points
     nowhere, so even a recipe that make would execute under -n starts nothing."""
     out = subprocess.run(["make", "-n", "run", "PORT=9000", "WORKER_PORT=9100",
                           "VENV=/nonexistent-seqserve-venv"], cwd=REPO, capture_output=True,
                          text=True, timeout=60, check=True).stdout
     flat = " ".join(out.replace("\\\n", " ").split())
-    for flag in ("--port 9000", "--http-port 9080", "--metrics-port 9001",
+    for flag in ("--port 9000", "--http-port 9080", "--openai-port 9081", "--metrics-port 9001",
                  "--worker-port 9100", "--worker-metrics-port 9101",
                  "--worker-addresses 127.0.0.1:9100"):
         assert flag in flat, (flag, out)
-    for default in ("8080", "8001", "8101", "8000", "8100"):
+    for default in ("8080", "8081", "8001", "8101", "8000", "8100"):
         assert default not in flat, (default, out)
     # Each derived port can still be set alone; the worker is restarted when it exits.
     out = subprocess.run(["make", "-n", "run", "HTTP_PORT=7777", "MODEL_ID=/m",

@@ -590,3 +590,15 @@ def test_seqserve_chat_reports_errors(chat_server, server):
     out = run_chat(server, "Hello\n")  # no chat template: the error, then EOF ends it
     assert out.returncode == 0, out.stderr
     assert "400" in out.stderr and "chat template" in out.stderr
+
+
+def test_metrics_on_the_openai_port_for_gateways(server):
+    """An inference gateway's endpoint picker scrapes /metrics on the port it routes to."""
+    import urllib.request
+
+    url = server.openai_url.removesuffix("/v1") + "/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    for gauge in ("seqserve_num_requests_waiting", "seqserve_num_requests_running",
+                  "seqserve_kv_budget_used_ratio"):
+        assert f"\n{gauge} " in text, gauge
