@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterator, Sequence
 
 import grpc
 
@@ -53,15 +53,22 @@ class Reply:
     logprobs: list[float | None] = field(default_factory=list)
 
 
-def build_request(prompt: str, cached_prompt: str = "", request_id: str = "",
+def build_request(prompt: str | Sequence[int], cached_prompt: str = "", request_id: str = "",
                   **params: Any) -> generate_pb2.GenerateRequest:
-    """A GenerateRequest; keyword arguments are DecodingParameters fields (stop: list)."""
+    """A GenerateRequest for a text prompt or a list of token ids; keyword arguments are
+    DecodingParameters fields (stop: list)."""
     stop = params.pop("stop", None)
     dp = generate_pb2.DecodingParameters(**{k: v for k, v in params.items() if v is not None})
     if stop:
         dp.stop.extend([stop] if isinstance(stop, str) else stop)
-    return generate_pb2.GenerateRequest(inputs=prompt, cached_prompt=cached_prompt,
-                                        parameters=dp, request_id=request_id)
+    request = generate_pb2.GenerateRequest(cached_prompt=cached_prompt, parameters=dp,
+                                           request_id=request_id)
+    if isinstance(prompt, str):
+        request.inputs = prompt
+    else:
+        request.input_ids.SetInParent()  # set even when empty, so the server can say so
+        request.input_ids.ids.extend(prompt)
+    return request
 
 
 def to_chunk(msg: generate_pb2.GenerateResponse) -> Chunk:
@@ -132,12 +139,12 @@ class Client:
         self.timeout = timeout
         self.metadata = auth_metadata(token)
 
-    def stream(self, prompt: str, **params: Any) -> Iterator[Chunk]:
+    def stream(self, prompt: str | Sequence[int], **params: Any) -> Iterator[Chunk]:
         for msg in self.stub.Generate(build_request(prompt, **params), timeout=self.timeout,
                                       metadata=self.metadata):
             yield to_chunk(msg)
 
-    def generate(self, prompt: str, **params: Any) -> Reply:
+    def generate(self, prompt: str | Sequence[int], **params: Any) -> Reply:
         return collect(self.stream(prompt, **params))
 
     def model_info(self) -> generate_pb2.ModelInfoResponse:
@@ -167,13 +174,14 @@ class AsyncClient:
         self.timeout = timeout
         self.metadata = auth_metadata(token)
 
-    async def stream(self, prompt: str, **params: Any) -> AsyncIterator[Chunk]:
+    async def stream(self, prompt: str | Sequence[int], **params: Any
+                     ) -> AsyncIterator[Chunk]:
         call = self.stub.Generate(build_request(prompt, **params), timeout=self.timeout,
                                   metadata=self.metadata)
         async for msg in call:
             yield to_chunk(msg)
 
-    async def generate(self, prompt: str, **params: Any) -> Reply:
+    async def generate(self, prompt: str | Sequence[int], **params: Any) -> Reply:
         return collect([c async for c in self.stream(prompt, **params)])
 
     async def model_info(self) -> generate_pb2.ModelInfoResponse:
