@@ -23,7 +23,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ARCHITECTURES = ("llama", "gpt2", "qwen2", "mistral", "gpt_neox", "opt")
+ARCHITECTURES = ("llama", "gpt2", "qwen2", "mistral", "gpt_neox", "opt", "mixtral", "qwen3",
+                 "gemma2", "gemma3", "phi", "phi3", "gptj", "falcon", "bloom", "stablelm",
+                 "starcoder2", "llama4")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>")
 FIXTURE_VERSION = 1  # bump when the generated files change, so cached copies are rebuilt
 
@@ -40,6 +42,9 @@ class ModelSize:
     # Larger than HF's default 0.02 so that logits are peaked: near-ties between the top
     # two tokens would make greedy comparisons depend on float rounding.
     init_std: float
+    # The "odd" size's sliding window (architectures that have one), smaller than test prompts
+    # so that it matters; None: no window.
+    sliding_window: int | None = None
 
 
 SIZES = {
@@ -48,6 +53,11 @@ SIZES = {
     # About 80 M parameters: the benchmark model (docs/benchmarks.md; Llama, 768 x 8 layers).
     "mid": ModelSize(hidden=768, layers=8, heads=12, kv_heads=12, intermediate=3072, vocab=4000,
                      max_positions=2048, init_std=0.02),
+    # The architecture sweep (tests/test_architectures.py): sizes no kernel is tuned for
+    # (head size 12), grouped heads (6 query heads over 2 key/value heads; multi-query where
+    # an architecture has it) and a short sliding window.
+    "odd": ModelSize(hidden=72, layers=3, heads=6, kv_heads=2, intermediate=120, vocab=1000,
+                     max_positions=1024, init_std=0.1, sliding_window=8),
 }
 
 _WORDS = (
@@ -108,22 +118,78 @@ def make_config(arch: str, size: ModelSize, eos_id: int, pad_id: int):
 
     common = dict(vocab_size=size.vocab, bos_token_id=eos_id, eos_token_id=eos_id,
                   pad_token_id=pad_id, tie_word_embeddings=False)
+    window = size.sliding_window
+    head_dim = size.hidden // size.heads
+    llama_like = dict(hidden_size=size.hidden, intermediate_size=size.intermediate,
+                      num_hidden_layers=size.layers, num_attention_heads=size.heads,
+                      num_key_value_heads=size.kv_heads,
+                      max_position_embeddings=size.max_positions,
+                      initializer_range=size.init_std, **common)
     if arch in ("llama", "qwen2", "mistral"):
         cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig}[arch]
-        extra = {"sliding_window": None} if arch == "mistral" else {}
-        return cls(hidden_size=size.hidden, intermediate_size=size.intermediate,
-                   num_hidden_layers=size.layers, num_attention_heads=size.heads,
-                   num_key_value_heads=size.kv_heads, max_position_embeddings=size.max_positions,
-                   initializer_range=size.init_std, **extra, **common)
+        extra = {}
+        if arch == "mistral":
+            extra = {"sliding_window": 2 * window if window else None}  # uniform window
+        elif arch == "qwen2" and window:
+            # Full attention in layer 0, a sliding window above (max_window_layers).
+            extra = {"use_sliding_window": True, "sliding_window": window, "max_window_layers": 1}
+        return cls(**llama_like, **extra)
+    if arch == "mixtral":
+        return tf.MixtralConfig(**llama_like, num_local_experts=4, num_experts_per_tok=2,
+                                sliding_window=None)
+    if arch == "llama4":
+        # Llama 4's text model: chunked attention in three of four layers, experts.
+        return tf.Llama4TextConfig(**llama_like, head_dim=head_dim,
+                                   intermediate_size_mlp=size.intermediate,
+                                   attention_chunk_size=window or 8192, num_local_experts=2)
+    if arch == "qwen3":
+        return tf.Qwen3Config(**llama_like, head_dim=head_dim)
+    if arch in ("gemma2", "gemma3"):
+        # Sliding and full layers alternate; softcapped attention logits (Gemma 2) small
+        # enough to change the scores of these random weights.
+        layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                       for i in range(size.layers)]
+        extra = dict(head_dim=head_dim, query_pre_attn_scalar=head_dim,
+                     sliding_window=window or 4096, layer_types=layer_types,
+                     num_key_value_heads=1 if arch == "gemma3" else size.kv_heads)
+        if arch == "gemma2":
+            return tf.Gemma2Config(**{**llama_like, **extra}, attn_logit_softcapping=5.0,
+                                   final_logit_softcapping=30.0)
+        return tf.Gemma3TextConfig(**{**llama_like, **extra})
+    if arch == "phi":
+        return tf.PhiConfig(**llama_like, partial_rotary_factor=0.5)
+    if arch == "phi3":
+        return tf.Phi3Config(**llama_like, sliding_window=3 * window if window else None)
+    if arch == "stablelm":
+        return tf.StableLmConfig(**llama_like, partial_rotary_factor=0.5, use_qkv_bias=True)
+    if arch == "starcoder2":
+        # Multi-query: one key/value head.
+        return tf.Starcoder2Config(**{**llama_like, "num_key_value_heads": 1},
+                                   sliding_window=window and 2 * window)
     if arch == "gpt2":
         return tf.GPT2Config(n_embd=size.hidden, n_layer=size.layers, n_head=size.heads,
                              n_inner=size.intermediate, n_positions=size.max_positions,
                              initializer_range=size.init_std, **common)
+    if arch == "gptj":
+        return tf.GPTJConfig(n_embd=size.hidden, n_layer=size.layers, n_head=size.heads,
+                             n_inner=size.intermediate, n_positions=size.max_positions,
+                             rotary_dim=head_dim // 2, initializer_range=size.init_std,
+                             **common)
     if arch == "gpt_neox":
         return tf.GPTNeoXConfig(hidden_size=size.hidden, intermediate_size=size.intermediate,
                                 num_hidden_layers=size.layers, num_attention_heads=size.heads,
                                 max_position_embeddings=size.max_positions,
                                 initializer_range=size.init_std, **common)
+    if arch == "falcon":
+        # Falcon-7B's layout: rotary positions, parallel attention, multi-query.
+        return tf.FalconConfig(hidden_size=size.hidden, num_hidden_layers=size.layers,
+                               num_attention_heads=size.heads, multi_query=True,
+                               new_decoder_architecture=False, parallel_attn=True, alibi=False,
+                               max_position_embeddings=size.max_positions,
+                               initializer_range=size.init_std, **common)
+    if arch == "bloom":
+        return tf.BloomConfig(hidden_size=size.hidden, n_layer=size.layers, n_head=size.heads,
+                              initializer_range=size.init_std, **common)
     if arch == "opt":
         return tf.OPTConfig(hidden_size=size.hidden, ffn_dim=size.intermediate,
                             num_hidden_layers=size.layers, num_attention_heads=size.heads,
