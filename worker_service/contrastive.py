@@ -112,7 +112,7 @@ class ContrastiveSearch:
             p.seq.append_hidden(prompt_hidden)
             p.seq.next_logits = self.runner.logits(prompt_hidden[-1])
         result.forward_seconds += time.perf_counter() - t
-        batch = PackedBatch(self.runner.device, self.runner.sliding_window)
+        batch = PackedBatch(self.runner.device, self.runner.layer_attention)
         trees = [self.add_candidates(batch, p.segment.group, p.segment.row, p.seq, result)
                  for p in prompts]
         t = time.perf_counter()

@@ -86,7 +86,7 @@ class Engine:
         lengths = [chunk] * (num_tokens // chunk) + ([num_tokens % chunk] if num_tokens % chunk else [])
         group = KVGroup(self.runner.kv_shape)
         group.ensure_capacity(len(lengths), max(lengths) + 1)
-        batch = PackedBatch(self.device, self.runner.sliding_window)
+        batch = PackedBatch(self.device, self.runner.layer_attention)
         for row, n in enumerate(lengths):
             group.add_empty_row(-1 - row, n + 1)
             batch.add_row(group, row, [0] * n, 0)
@@ -276,7 +276,7 @@ class Engine:
         """Lay out the step's tokens: per group, runs of greedy and sampled decoding rows
         as decode segments, each contrastive row's candidates as a tree, then the prompts
         from their first uncached token."""
-        fwd = StepForward(PackedBatch(self.device, self.runner.sliding_window))
+        fwd = StepForward(PackedBatch(self.device, self.runner.layer_attention))
         for group, n_old in zip(groups, old_counts):
             r = 0
             while r < n_old:

@@ -8,6 +8,7 @@ its keys and values land in their groups' buffers.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -17,7 +18,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from seqserve_common.model_source import gguf_kwargs, model_files
 from worker_service import attention
 from worker_service.kernels import fused_layers, linear_prepack, native_attention
-from worker_service.kv_groups import KVShape
+from worker_service.fallback import OwnAttention
+from worker_service.kv_groups import KVGroup, KVShape
 from worker_service.packed_batch import PackedBatch, PackedCache, StatelessCache
 
 logger = logging.getLogger(__name__)
@@ -104,23 +106,31 @@ class ModelRunner:
         path, gguf_file = model_files(model_id, gguf_cache_dir)
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code,
                                             **gguf_kwargs(gguf_file))
-        layer_types = getattr(config, "layer_types", None)
-        if layer_types and len(set(layer_types)) > 1:
-            raise ValueError(
-                f"{model_id}: layers mix attention types {sorted(set(layer_types))}; seqserve "
-                "supports models whose layers all use the same attention")
-        self.sliding_window = getattr(config, "sliding_window", None)
-        if getattr(config, "use_sliding_window", True) is False:
-            self.sliding_window = None
-        # "auto" keeps the dtype the checkpoint was saved in, as transformers does.
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype="auto" if dtype == "auto" else DTYPES[dtype],
-            attn_implementation=impl, trust_remote_code=trust_remote_code,
-            **gguf_kwargs(gguf_file, weights=True))
-        self.model = model.to(self.device).eval()
-        self.dtype = self.model.dtype
+        self.layer_attention, reason = attention.layer_attention(config)
+        self.fallback: OwnAttention | None = None
+        self.kv_dtype_name = kv_dtype
+
+        def load(attn: str | None):
+            # "auto" keeps the dtype the checkpoint was saved in, as transformers does.
+            # attn None: the model's own default attention (the fallback path).
+            extra = {} if attn is None else {"attn_implementation": attn}
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype="auto" if dtype == "auto" else DTYPES[dtype],
+                trust_remote_code=trust_remote_code, **extra,
+                **gguf_kwargs(gguf_file, weights=True))
+            return self._place(model.to(self.device).eval())
+
+        layers = None
+        if reason is None:
+            try:
+                layers, reason = self._check_packed(load(impl))
+            except Exception as exc:  # e.g. GPT-J and Falcon look their attention up by name
+                reason = (f"it does not run with a registered attention function "
+                          f"({type(exc).__name__}: {exc})")
+        if reason is not None:
+            self.model = None
+            layers = self._use_fallback(load(None), config, reason)
         dtype = {v: k for k, v in DTYPES.items()}.get(self.dtype, str(self.dtype))
-        self.base = self.model.base_model
         self.lm_head = self.model.get_output_embeddings()
         self.softcap = getattr(config, "final_logit_softcapping", None)
         self.facts = ModelFacts(
@@ -140,32 +150,139 @@ class ModelRunner:
         if norms or rotary:
             logger.info("one-pass C loops for %d RMSNorms and the rotary embedding of %d "
                         "modeling modules", norms, rotary)
-        self.kv_dtype = resolve_kv_dtype(kv_dtype, self.dtype, self.device)
-        self.kv_shape = self._probe_kv_shape()
+        self.kv_shape = self._kv_shape(layers)
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
-        logger.info("loaded %s (%s) on %s in %s; KV in %s, %d bytes per token", model_id,
+        logger.info("loaded %s (%s) on %s in %s; KV in %s, %d bytes per token; %s", model_id,
                     self.facts.architecture, self.device, dtype, self.kv_dtype,
-                    self.kv_shape.bytes_per_token)
+                    self.kv_shape.bytes_per_token,
+                    "fallback path" if self.fallback is not None else "packed path")
+
+    def _place(self, model):
+        """Make `model` the runner's model (its dtype settled for this device); returns it."""
+        if (self.device.type == "cpu" and model.dtype == torch.float16
+                and not linear_prepack.runs(torch.float16)):
+            # float32 holds every float16 value exactly, so the weights convert without loss
+            # and only rounding inside operations changes (it shrinks); bfloat16 would drop
+            # three mantissa bits of every weight. torch's own float16 CPU kernels run here,
+            # but without native float16 a 256-row product takes twice float32's time.
+            logger.warning("this CPU has no native float16 (%s): the float16 model computes "
+                           "in float32 (exact conversion, twice the memory)",
+                           linear_prepack.half_reason())
+            model = model.float()
+        self.model = model
+        self.dtype = model.dtype
+        self.base = model.base_model
+        if self.base is model:  # e.g. Llama4ForCausalLM, whose prefix names no submodule
+            self.base = next((m for m in (getattr(model, "model", None),
+                                          getattr(model, "transformer", None))
+                              if isinstance(m, torch.nn.Module)), model)
+        self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        self.kv_dtype = resolve_kv_dtype(self.kv_dtype_name, self.dtype, self.device)
+        return model
 
     @torch.inference_mode()
-    def _probe_kv_shape(self) -> KVShape:
-        probe = _ShapeProbe()
+    def _check_packed(self, model) -> tuple[list | None, str | None]:
+        """Whether the packed path computes what `model` does: every layer must write its
+        keys and values to the cache and attend through the registered function with
+        nothing the packed path ignores, and a probe prompt must give the hidden states of
+        the model's own masks. Returns (per-layer KV shapes, None) or (None, the reason)."""
+        probe, calls = _ShapeProbe(), {}
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
-        self.base(input_ids=ids, position_ids=ids, attention_mask=mask, past_key_values=probe,
-                  use_cache=True)
-        layers = [probe.shapes[i] for i in sorted(probe.shapes)]
+        try:
+            with attention.recording(calls):
+                self.base(input_ids=ids, position_ids=ids, attention_mask=self._no_mask,
+                          past_key_values=probe, use_cache=True)
+        except Exception as exc:  # e.g. Bloom, which never calls the attention interface
+            return None, (f"its forward does not run over seqserve's cache "
+                          f"({type(exc).__name__}: {exc})")
+        if not probe.shapes:
+            return None, "its layers write no keys and values to the cache"
+        indices = sorted(probe.shapes)
+        if indices != list(range(len(indices))):
+            return None, f"only layers {indices[:8]}... hold keys and values (shared KV)"
+        missing = [i for i in indices if i not in calls]
+        if missing:
+            return None, (f"layers {missing[:8]} compute attention themselves, not through "
+                          "transformers' attention interface")
+        for layer in indices:
+            if "s_aux" in calls[layer]:
+                return None, "its attention has sinks (s_aux)"
+            if calls[layer].get("is_causal") is False:
+                return None, "its attention is bidirectional"
+        specs = self.layer_attention
+        if len(specs) == 1:
+            specs = specs * len(indices)
+        if len(specs) != len(indices):
+            return None, f"the config names {len(specs)} layer types for {len(indices)} layers"
+        self.layer_attention = tuple(
+            dataclasses.replace(spec, softcap=calls[i].get("softcap"))
+            for i, spec in enumerate(specs))
+        layers = [probe.shapes[i] for i in indices]
+        return layers, self._self_check(layers)
+
+    @torch.inference_mode()
+    def _self_check(self, layers: list) -> str | None:
+        """Prefill a probe prompt and decode one more token through the packed path, and
+        compare every hidden state with one plain forward of the model (its own masks,
+        which is where a window, chunk or layer kind the config hides would show)."""
+        spans = [s.window or s.chunk for s in self.layer_attention if s.window or s.chunk]
+        n = min(max([48] + [2 * w + 8 for w in spans]), 256,
+                _max_positions(self.model.config) - 1)
+        vocab = self.model.get_input_embeddings().weight.shape[0]
+        ids = (torch.arange(n, device=self.device) * 7919 + 11) % vocab
+        self.kv_shape = self._kv_shape(layers)
+        group = KVGroup(self.kv_shape)
+        group.add_empty_row(0, n + 1)
+        batch = PackedBatch(self.device, self.layer_attention)
+        batch.add_row(group, 0, ids[:-1].tolist(), 0)
+        first = self.forward(batch)
+        group.fill(0, n - 1)
+        batch = PackedBatch(self.device, self.layer_attention)
+        batch.add_decode(group, 0, 1, [int(ids[-1])])
+        got = torch.cat([first, self.forward(batch)]).float()
+        ref = self.base(input_ids=ids[None], attention_mask=torch.ones_like(ids[None]),
+                        use_cache=False).last_hidden_state[0].float()
+        err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
+        tol = 1e-3 if self.dtype == torch.float32 else 5e-2
+        if not err <= tol:
+            return (f"on a {n}-token probe the packed path's hidden states differ from the "
+                    f"model's own by {err:.3g} (relative; tolerance {tol})")
+        return None
+
+    def _use_fallback(self, model, config, reason: str) -> list:
+        """Serve `model` (loaded with its default attention) through its own attention and
+        a DynamicCache; logs once why. Returns its per-layer KV shapes."""
+        arch = (config.architectures or [type(model).__name__])[0]
+        self.fallback = OwnAttention(self.base, self.device, self.dtype)
+        self.layer_attention = ()
+        try:
+            layers = self.fallback.probe_shapes()
+        except Exception as exc:
+            raise ValueError(
+                f"{arch} cannot be served: the packed path cannot run it ({reason}), and its "
+                f"own attention over a DynamicCache fails too ({type(exc).__name__}: {exc})"
+            ) from exc
+        if self.kv_dtype_name == "auto":
+            self.kv_dtype = self.dtype  # the cache the model's own attention reads
+        logger.warning("%s runs on the FALLBACK path (its own attention, one forward per "
+                       "sequence, slower) because %s", arch, reason)
+        return layers
+
+    def _kv_shape(self, layers: list) -> KVShape:
         key_heads, key_dims = tuple(s[0] for s in layers), tuple(s[1] for s in layers)
         value_heads, value_dims = tuple(s[2] for s in layers), tuple(s[3] for s in layers)
         # Buffers need no zero fill when every read of them goes through the native
         # loops, which touch only each row's own slots (decoding and prompts; contrastive
         # candidates go through SDPA over slots their row has written). Asked of the same
         # predicate attention uses, on empty tensors of each layer's shapes.
-        native_only = all(native_attention.supports(
+        specs = self.layer_attention or (attention.FULL,)
+        if len(specs) == 1:
+            specs = specs * len(layers)
+        native_only = self.fallback is None and all(spec.native and native_attention.supports(
             torch.empty(1, 1, 1, kd, dtype=self.dtype, device=self.device),
             torch.empty(1, kh, 1, kd, dtype=self.kv_dtype, device=self.device),
             torch.empty(1, vh, 1, vd, dtype=self.kv_dtype, device=self.device))
-            for kh, kd, vh, vd in layers)
+            for spec, (kh, kd, vh, vd) in zip(specs, layers))
         return KVShape(key_heads=key_heads, key_dims=key_dims, value_heads=value_heads,
                        value_dims=value_dims, dtype=self.kv_dtype, device=self.device,
                        reads_padding=not native_only)
@@ -174,6 +291,8 @@ class ModelRunner:
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Run every token of `batch` in one forward; returns last-layer hidden states
         [tokens, hidden]. Each segment's keys and values land in its group's buffers."""
+        if self.fallback is not None:
+            return self.fallback.forward(batch)
         n = batch.num_tokens
         ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)[None]
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)[None]

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from transformers import Cache
 
 from worker_service.kernels import native_attention
-from worker_service.attention import build_mask
+from worker_service.attention import FULL, LayerAttention, build_mask, explicit_attention
 from worker_service.kv_groups import KVGroup
 
 
@@ -41,18 +41,28 @@ class DecodeSegment:
     slots: torch.Tensor  # [rows] the slot each row's token is written to
     rows_index: torch.Tensor  # [rows] row numbers, for the scattered write
     kv_len: int
-    mask: torch.Tensor  # [rows, 1, 1, kv_len] bool
     ends: torch.Tensor  # [rows] int64: each row attends to slots below this (slot + 1)
-    _bias: torch.Tensor | None = None
+    # Per LayerAttention (layers may differ in window or chunk): made on first use.
+    _masks: dict = field(default_factory=dict)
+    _biases: dict = field(default_factory=dict)
 
-    @property
-    def bias(self) -> torch.Tensor:
+    def mask(self, spec: LayerAttention) -> torch.Tensor:
+        """[rows, 1, 1, kv_len] bool: the slots each row's token sees in a layer of `spec`."""
+        mask = self._masks.get(spec)
+        if mask is None:
+            mask = build_mask(self.slots, 1, self.kv_len, None, spec.window, spec.chunk)
+            self._masks[spec] = mask
+        return mask
+
+    def bias(self, spec: LayerAttention) -> torch.Tensor:
         """The mask as an additive float tensor (0 or -inf), made on first use."""
-        if self._bias is None:
-            dtype = self.group.shape.dtype
-            self._bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
-            self._bias.masked_fill_(~self.mask, float("-inf"))
-        return self._bias
+        bias = self._biases.get(spec)
+        if bias is None:
+            mask = self.mask(spec)
+            bias = torch.zeros(mask.shape, dtype=self.group.shape.dtype, device=mask.device)
+            bias.masked_fill_(~mask, float("-inf"))
+            self._biases[spec] = bias
+        return bias
 
     @property
     def num_tokens(self) -> int:
@@ -68,12 +78,27 @@ class RowSegment:
     token_start: int
     num_tokens: int
     start: int  # slots before this one already hold the row's KV
-    mask: torch.Tensor | None  # [1, 1, q, kv] bool; None: plain causal over the new tokens
     tree: bool = False  # contrastive candidates: each sees the context and itself only
+    _masks: dict = field(default_factory=dict)
 
     @property
     def kv_len(self) -> int:
         return self.start + self.num_tokens
+
+    def mask(self, spec: LayerAttention) -> torch.Tensor | None:
+        """[1, 1, q, kv] bool in a layer of `spec`; None: plain causal over the new tokens
+        (a whole prompt that no window or chunk cuts)."""
+        if spec in self._masks:
+            return self._masks[spec]
+        n, mask = self.num_tokens, None
+        if (self.tree or self.start > 0 or (spec.window is not None and n > spec.window)
+                or (spec.chunk is not None and n > spec.chunk)):
+            device = self.group.shape.device
+            starts = torch.tensor([self.start], dtype=torch.long, device=device)
+            tree_t = torch.ones(1, dtype=torch.bool, device=device) if self.tree else None
+            mask = build_mask(starts, n, self.start + n, tree_t, spec.window, spec.chunk)
+        self._masks[spec] = mask
+        return mask
 
 
 @dataclass
@@ -81,7 +106,8 @@ class PackedBatch:
     """The tokens of one forward, their positions, and the segments they form."""
 
     device: torch.device
-    sliding_window: int | None = None
+    # Each layer's attention (ModelRunner.layer_attention); empty: every layer full causal.
+    layers: tuple[LayerAttention, ...] = ()
     token_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     segments: list[DecodeSegment | RowSegment] = field(default_factory=list)
@@ -98,8 +124,7 @@ class PackedBatch:
         kv_len = max(lengths) + 1
         seg = DecodeSegment(
             group, row_start, row_end, self.num_tokens, slots,
-            torch.arange(row_start, row_end, device=self.device), kv_len,
-            build_mask(slots, 1, kv_len, None, self.sliding_window), slots + 1)
+            torch.arange(row_start, row_end, device=self.device), kv_len, slots + 1)
         self.token_ids += token_ids
         self.positions += lengths
         self.segments.append(seg)
@@ -110,13 +135,7 @@ class PackedBatch:
         """Causal tokens at positions start.. (a prompt), or a tree of candidates that all
         sit at position `start`."""
         n = len(token_ids)
-        mask = None
-        window = self.sliding_window
-        if tree or start > 0 or (window is not None and n > window):
-            starts = torch.tensor([start], dtype=torch.long, device=self.device)
-            tree_t = torch.ones(1, dtype=torch.bool, device=self.device) if tree else None
-            mask = build_mask(starts, n, start + n, tree_t, window)
-        seg = RowSegment(group, row, self.num_tokens, n, start, mask, tree)
+        seg = RowSegment(group, row, self.num_tokens, n, start, tree)
         self.token_ids += token_ids
         self.positions += [start] * n if tree else list(range(start, start + n))
         self.segments.append(seg)
@@ -146,17 +165,19 @@ class PackedBatch:
         prompt attends over them directly."""
         _, heads, total, _ = query.shape
         kv_heads = key.shape[1]
+        spec = self.layers[layer] if self.layers else FULL
+        window, softcap = spec.window, spec.softcap
         out = query.new_empty(1, total, heads, value.shape[-1])
         for seg in self.segments:
             a, b = seg.token_start, seg.token_start + seg.num_tokens
             if isinstance(seg, DecodeSegment):
                 rows = seg.num_tokens
                 k_buf, v_buf = seg.group.keys[layer], seg.group.values[layer]
-                if native_attention.supports(query, k_buf, v_buf):
+                if spec.native and native_attention.supports(query, k_buf, v_buf):
                     # On CPU with bfloat16 KV: a C loop over each row's own slots.
                     out[0, a:b] = native_attention.attend(
                         query[0, :, a:b].transpose(0, 1), k_buf, v_buf, seg.row_start,
-                        seg.ends, seg.kv_len, scaling, self.sliding_window)
+                        seg.ends, seg.kv_len, scaling, window)
                     continue
                 # SDPA reads the padding of shorter rows (masked): only zero-filled buffers.
                 assert seg.group.shape.reads_padding, "unfilled KV buffers read past rows"
@@ -170,32 +191,42 @@ class PackedBatch:
                     # Two batched products over the buffer views (no copy): with one query
                     # per row they beat SDPA's CPU kernel, which tiles for many queries.
                     scores = torch.matmul(q, k.transpose(-1, -2))
-                    scores.mul_(scaling).add_(seg.bias)
+                    scores.mul_(scaling)
+                    if softcap is not None:
+                        scores.div_(softcap).tanh_().mul_(softcap)
+                    scores.add_(seg.bias(spec))
                     o = torch.matmul(torch.softmax(scores, -1), v)
+                elif softcap is not None:
+                    o = explicit_attention(q, k, v, seg.mask(spec), scaling, softcap)
                 else:
-                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask,
+                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask(spec),
                                                        scale=scaling)
                 out[0, a:b] = o.reshape(rows, heads, -1)
                 continue
             k_buf, v_buf = seg.group.keys[layer], seg.group.values[layer]
-            if not seg.tree and native_attention.supports(query, k_buf, v_buf):
+            if not seg.tree and spec.native and native_attention.supports(query, k_buf, v_buf):
                 # Causal over the row's slots, prefix and window included: the C loop
                 # reads the keys this segment just wrote (2.4x SDPA's speed at 512 tokens).
                 out[0, a:b] = native_attention.attend_prompt(
                     query[0, :, a:b].transpose(0, 1), k_buf, v_buf, seg.row, seg.start,
-                    scaling, self.sliding_window)
+                    scaling, window)
                 continue
             q = query[:, :, a:b]
-            if seg.mask is None:
+            mask = seg.mask(spec)
+            if mask is None:
                 # A whole prompt: its own new keys, plain causal attention.
-                o = F.scaled_dot_product_attention(
-                    q, key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scaling,
-                    enable_gqa=kv_heads != heads)
+                k, v = key[:, :, a:b], value[:, :, a:b]
             else:
-                k = seg.group.keys[layer][seg.row : seg.row + 1, :, : seg.kv_len]
-                v = seg.group.values[layer][seg.row : seg.row + 1, :, : seg.kv_len]
-                o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=seg.mask, scale=scaling,
+                k = k_buf[seg.row : seg.row + 1, :, : seg.kv_len]
+                v = v_buf[seg.row : seg.row + 1, :, : seg.kv_len]
+            if softcap is not None:
+                o = explicit_attention(q, k, v, mask, scaling, softcap)
+            elif mask is None:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
                                                    enable_gqa=kv_heads != heads)
+            else:
+                o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask,
+                                                   scale=scaling, enable_gqa=kv_heads != heads)
             out[0, a:b] = o[0].transpose(0, 1)
         return out
 

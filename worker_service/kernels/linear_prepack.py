@@ -6,11 +6,18 @@ part of the call: prepacking once at load time made a [4, 768] x [768, 3072] pro
 about 1.8x faster and [30, 768] x [768, 3072] about 1.15x on this project's CPUs, with
 results identical to F.linear. The packed weight replaces the original, so memory does
 not grow.
+
+Whether oneDNN can run a dtype depends on the CPU: float16 needs AVX512-FP16 or
+AVX-NE-CONVERT (Sapphire Rapids, Granite Rapids, recent client cores; an AMD EPYC with
+AVX512-BF16 has neither), and on others the reorder raises. `runs` tries the packed
+product once per dtype, on a 16 x 16 weight, before any layer is swapped.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -37,11 +44,55 @@ class PrepackedLinear(nn.Module):
                                                   [], "")
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.cache
+def _try(dtype: torch.dtype) -> str | None:
+    """None if a prepacked product in `dtype` runs on this CPU and equals F.linear; else
+    why not."""
+    if not (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return "torch has no oneDNN linear prepacking"
+    try:
+        weight = (torch.arange(256, dtype=torch.float32).reshape(16, 16) / 64).to(dtype)
+        x = torch.ones(2, 16, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0]
+    if not torch.equal(out, torch.nn.functional.linear(x, weight)):
+        return "oneDNN's packed product differs from F.linear"
+    return None
+
+
+def runs(dtype: torch.dtype) -> bool:
+    """Whether prepacked linear layers run in `dtype` on this CPU (tried once)."""
+    return _try(dtype) is None
+
+
+def half_reason() -> str:
+    """Why float16 has no fast path on this CPU, in words (flags and oneDNN's answer)."""
+    flags = cpu_flags()
+    have = sorted(f for f in ("avx512_fp16", "avx_ne_convert", "avx512_bf16", "amx_fp16")
+                  if f in flags)
+    return (f"CPU flags {', '.join(have) or 'none of avx512_fp16/avx_ne_convert'}, torch "
+            f"capability {torch.backends.cpu.get_cpu_capability()}; oneDNN: "
+            f"{_try(torch.float16) or 'runs'}")
+
+
 def supported(model: nn.Module) -> bool:
     p = next(model.parameters())
     return (p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float16)
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and runs(p.dtype))
 
 
 def prepack_linears(model: nn.Module) -> int:
