@@ -140,3 +140,41 @@ scrape_configs:
     finally:
         prom.terminate()
         prom.wait(10)
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_seed_properties_fp16_serve_on_any_cpu(deploy, tmp_path):
+    """The seed's serving.properties, verbatim but for the model id (option.dtype=fp16,
+    contrastive by default), starts on this CPU and answers the seed's curl request. A
+    CPU without native float16 (no avx512_fp16 / avx_ne_convert, where oneDNN refuses
+    float16 weights) computes in float32, which holds every float16 weight exactly: the
+    reply is then contrastive search over the float32 copy of the float16 model."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from tests.conftest import MODELS
+    from tests.test_config import SEED_EXAMPLE
+    from tests.test_decoding import contrastive_reference
+    from worker_service.fixtures import make_model
+    from worker_service.kernels import linear_prepack
+
+    model_dir = make_model(MODELS / "tiny-llama-fp16", arch="llama", dtype="float16")
+    assert "option.dtype=fp16" in SEED_EXAMPLE and "engine=MPI" in SEED_EXAMPLE
+    props = tmp_path / "serving.properties"
+    props.write_text(SEED_EXAMPLE.replace("/workspace/llama-2-70b-hf/", str(model_dir)))
+    d = deploy(model_dir, {"properties": props}, properties=props)
+    log = d.worker.log.read_text()
+    native = linear_prepack.runs(torch.float16)
+    assert ("computes in float32" in log) == (not native), log[-3000:]
+
+    prompt = "The new movie that got Oscar this year"
+    body = json.dumps({"inputs": prompt, "parameters": {"max_new_tokens": 50}})
+    cmd = ["curl", "-sS", "-X", "POST", f"{d.http_url}/invocations", "--connect-timeout", "60",
+           "-H", "Content-type: application/json", "-d", body]
+    reply = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True,
+                                      timeout=120).stdout)
+    assert 0 < reply["details"]["generated_tokens"] <= 50
+    if not native:
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        expected = contrastive_reference(model_dir, prompt, 50, top_k=4, alpha=0.6)
+        assert reply["generated_text"] == tok.decode(expected, skip_special_tokens=True)
