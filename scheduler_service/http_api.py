@@ -17,29 +17,20 @@ import json
 import logging
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 
 from scheduler_service.admission import QueueFull
 from scheduler_service.frontend import Frontend, GenerationRequest, Unavailable
+from scheduler_service.http_server import (
+    BODY_TIMEOUT_S,
+    KEEPALIVE_TIMEOUT_S,
+    MAX_BODY_BYTES,
+    SHUTDOWN_TIMEOUT_S,
+    AppServer,
+)
 from scheduler_service.params import RequestError
 from scheduler_service.sequence import FinishEvent, FinishReason, Sequence, TokenEvent
 
 logger = logging.getLogger(__name__)
-MAX_BODY_BYTES = 4 << 20
-# The whole body must arrive within this many seconds of the headers (4 MiB at 140 KB/s);
-# a client that trickles it gets 408 and its connection closed, so slow senders cannot
-# hold connections and memory open (slowloris).
-BODY_TIMEOUT_S = 30.0
-# A connection that sends no request (none yet, or none since its last answer) for this
-# long is closed. aiohttp's default is an hour.
-KEEPALIVE_TIMEOUT_S = 75.0
-# On stop, how long running requests may go on before their handlers are cancelled (which
-# cancels their sequences). main.py passes option.drain_timeout.
-SHUTDOWN_TIMEOUT_S = 60.0
-# After an answer given before the whole body was read (408, 413), the rest is read and
-# dropped for at most this long before the connection closes, so the client sees the
-# answer rather than a reset. aiohttp's default is 10 s.
-LINGERING_TIME_S = 2.0
 _TOP_LEVEL = {"inputs", "parameters", "cached_prompt", "stream", "request_id"}
 
 
@@ -70,34 +61,6 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
         return resp
 
 
-class _QuietServerErrors(logging.Filter):
-    """aiohttp.server logs a malformed request (bad request line, bad header) and a client
-    that went away at ERROR with a traceback, so anyone able to connect could fill the log.
-    The first become a one-line WARNING, the second a DEBUG line; other errors (a bug in a
-    handler) keep their traceback."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, HttpProcessingError):
-            first = str(exc.message).strip().splitlines()[0][:120] if exc.message else ""
-            record.args = (record.getMessage(), exc.code, first)
-            record.msg = "%s: bad HTTP request (%d %s)"
-        elif isinstance(exc, (ConnectionError, asyncio.CancelledError)):
-            logger.debug("%s: the client went away (%r)", record.getMessage(), exc)
-            return False
-        else:
-            return True
-        record.levelno, record.levelname = logging.WARNING, "WARNING"
-        record.exc_info, record.exc_text = None, None
-        return True
-
-
-def _quiet_aiohttp_server_logs() -> None:
-    server_log = logging.getLogger("aiohttp.server")
-    if not any(isinstance(f, _QuietServerErrors) for f in server_log.filters):
-        server_log.addFilter(_QuietServerErrors())
-
-
 def _details(ev: FinishEvent) -> dict:
     return {"finish_reason": ev.reason.value, "generated_tokens": ev.generated_tokens,
             "inputs": ev.prompt_tokens, "cached_tokens": ev.cached_tokens}
@@ -118,26 +81,14 @@ class InvocationsApp:
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[json_errors])
         self.app.router.add_post("/invocations", self.invocations)
         self.app.router.add_get("/ping", self.ping)
-        self.runner: web.AppRunner | None = None
-        _quiet_aiohttp_server_logs()
+        self.server = AppServer(self.app, shutdown_timeout=shutdown_timeout,
+                                keepalive_timeout=keepalive_timeout)
 
     async def start(self, host: str, port: int, ssl_context=None) -> int:
-        """Listen (HTTPS when `ssl_context` is given); returns the bound port."""
-        # handler_cancellation: a client that disconnects cancels its handler, and with
-        # it the sequence (events() cancels it when closed), instead of generating to
-        # max_new_tokens for nobody.
-        self.runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True,
-                                    keepalive_timeout=self.keepalive_timeout,
-                                    lingering_time=LINGERING_TIME_S,
-                                    shutdown_timeout=self.shutdown_timeout)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port, ssl_context=ssl_context)
-        await site.start()
-        return site._server.sockets[0].getsockname()[1]
+        return await self.server.start(host, port, ssl_context)
 
     async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
+        await self.server.stop()
 
     async def ping(self, request: web.Request) -> web.Response:
         ready = self.frontend.ready

@@ -23,13 +23,12 @@ from aiohttp import web
 from scheduler_service import auth
 from scheduler_service.admission import QueueFull
 from scheduler_service.frontend import Frontend, GenerationRequest, Unavailable
-from scheduler_service.http_api import (
+from scheduler_service.http_server import (
     BODY_TIMEOUT_S,
     KEEPALIVE_TIMEOUT_S,
-    LINGERING_TIME_S,
     MAX_BODY_BYTES,
     SHUTDOWN_TIMEOUT_S,
-    _quiet_aiohttp_server_logs,
+    AppServer,
 )
 from scheduler_service.openai_schemas import (
     ApiError,
@@ -144,25 +143,14 @@ class OpenAIApp:
         self.app.router.add_get("/health", self.health)
         if metrics is not None:  # /metrics, open like /health (see docs/deployment.md)
             self.app.router.add_get("/metrics", metrics)
-        self.runner: web.AppRunner | None = None
-        _quiet_aiohttp_server_logs()
+        self.server = AppServer(self.app, shutdown_timeout=shutdown_timeout,
+                                keepalive_timeout=keepalive_timeout)
 
     async def start(self, host: str, port: int, ssl_context=None) -> int:
-        """Listen (HTTPS when `ssl_context` is given); returns the bound port."""
-        # handler_cancellation: a client that disconnects cancels its handler, which
-        # closes the events of its sequences and so cancels them.
-        self.runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True,
-                                    keepalive_timeout=self.keepalive_timeout,
-                                    lingering_time=LINGERING_TIME_S,
-                                    shutdown_timeout=self.shutdown_timeout)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port, ssl_context=ssl_context)
-        await site.start()
-        return site._server.sockets[0].getsockname()[1]
+        return await self.server.start(host, port, ssl_context)
 
     async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
+        await self.server.stop()
 
     # --- middlewares --------------------------------------------------------------------
 

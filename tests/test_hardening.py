@@ -184,9 +184,7 @@ async def _start_app(**attrs):
     from scheduler_service.http_api import InvocationsApp
 
     frontend = StubFrontend()
-    app = InvocationsApp(frontend)
-    for k, v in attrs.items():  # set after construction: the defaults are minutes long
-        setattr(app, k, v)
+    app = InvocationsApp(frontend, **attrs)  # short timeouts: the defaults are minutes long
     port = await app.start("127.0.0.1", 0)
     return app, frontend, port
 
