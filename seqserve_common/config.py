@@ -101,7 +101,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("tensor_parallel_degree", int, "1 (one worker per accelerator)",
            lambda v: v == 1, "tensor parallelism per worker (only 1)"),
     Option("dtype", _dtype, "fp32, bf16, fp16 (or float32, bfloat16, float16, auto)",
-           help="weights dtype; auto: bf16 where supported, else fp32"),
+           help="weights dtype; auto: the checkpoint's own (a GGUF file dequantizes to fp32)"),
     Option("kv_cache_dtype", _dtype, "fp32, bf16, fp16 (or float32, bfloat16, float16, auto)",
            help="dtype of the worker's KV buffers; auto: the model's, except on CPU: "
                 "float32 for float16 models, and for bfloat16 ones where the native "

