@@ -35,9 +35,10 @@ PATHS = {
 # Also checked for contrastive search (candidates as a tree on the packed path, as a batch
 # of k rows on the fallback).
 CONTRASTIVE = ("gemma2", "qwen2", "gptj", "bloom", "starcoder2")
-# Run by `make test`; the rest are marked slow (the whole sweep takes longer than 4 minutes
-# on two cores): a fallback, softcapped and alternating windows, mixed full/sliding
-# layers, mixture of experts, multi-query with a window.
+# Run by `make test`; the rest are marked slow (the whole sweep took 2.5 minutes on two
+# idle cores, 4.8 to 8 on the shared ones tests usually get): a fallback, softcapped and
+# alternating windows, mixed full/sliding layers, mixture of experts, multi-query with a
+# window.
 FAST = ("gemma2", "gptj", "qwen2", "mixtral", "starcoder2")
 PROMPT_TOKENS = (2, 9, 23, 41)
 NEW_TOKENS = 16
