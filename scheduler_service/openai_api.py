@@ -349,9 +349,10 @@ class OpenAIApp:
                         await send(chunk(choice, ev.text or None, None,
                                          _FINISH.get(ev.reason, "stop")))
                         continue
+                    # One chunk per token, even when it completes no character yet (as
+                    # vLLM does), so clients time first tokens and TPOT by tokens.
                     logprobs = choice.add(ev)
-                    if ev.text or logprobs is not None:
-                        await send(chunk(choice, ev.text, logprobs, None))
+                    await send(chunk(choice, ev.text, logprobs, None))
             if include_usage and all(c.finish is not None for c in choices):
                 await send({**head, "choices": [], "usage": _usage(choices, req.n)})
             await send("[DONE]")

@@ -190,6 +190,9 @@ def test_greedy_completion_equals_grpc_and_djl(server):
                                        extra_body={"ignore_eos": True}))
     assert "".join(ch.choices[0].text for ch in chunks) == choice.text
     assert [ch.choices[0].finish_reason for ch in chunks][-1] == "length"
+    # One chunk per token, also for a token that completes no character yet (the random
+    # model's byte tokens often do not): clients time TTFT and TPOT by chunks.
+    assert len([ch for ch in chunks if ch.choices and ch.choices[0].finish_reason is None]) >= 11
     assert all(ch.usage is None for ch in chunks)
 
 
