@@ -29,7 +29,8 @@ def placed(d) -> dict[str, float]:
     return {k: v for k, v in m.items() if k.startswith("seqserve_requests_placed_total")}
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+# make test runs Llama; `make test-slow` adds GPT-2 (learned positions, no grouped heads).
+@pytest.mark.parametrize("arch", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_two_workers_share_48_staggered_requests_exactly(arch, tmp_path):
     from bench.deployment import Deployment
 
