@@ -84,12 +84,6 @@ class InvocationsApp:
         self.server = AppServer(self.app, shutdown_timeout=shutdown_timeout,
                                 keepalive_timeout=keepalive_timeout)
 
-    async def start(self, host: str, port: int, ssl_context=None) -> int:
-        return await self.server.start(host, port, ssl_context)
-
-    async def stop(self) -> None:
-        await self.server.stop()
-
     async def ping(self, request: web.Request) -> web.Response:
         ready = self.frontend.ready
         return web.json_response({"status": "Healthy" if ready else "Unhealthy"},

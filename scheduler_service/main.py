@@ -82,12 +82,12 @@ async def serve(cfg: ServingConfig, port_file: str | None,
     if cfg.auth_token:
         http.app.middlewares.append(auth.bearer_middleware(cfg.auth_token))
     http_ssl = public_tls.server_ssl_context() if public_tls is not None else None
-    http_port = (await http.start(cfg.host, cfg.http_port, http_ssl)
+    http_port = (await http.server.start(cfg.host, cfg.http_port, http_ssl)
                  if cfg.http_port >= 0 else -1)
     openai_app = OpenAIApp(frontend, (cfg.served_model_name, cfg.model_id),
                            token=cfg.auth_token, shutdown_timeout=0.5,
                            metrics=metrics_route(metrics.registry))
-    openai_port = (await openai_app.start(cfg.host, cfg.openai_port, http_ssl)
+    openai_port = (await openai_app.server.start(cfg.host, cfg.openai_port, http_ssl)
                    if cfg.openai_port >= 0 else -1)
     # Ports are known now; readiness is the health service's to tell (SERVING once a
     # worker is connected), so a supervisor can tell a starting server from a dead one.
@@ -136,7 +136,7 @@ async def serve(cfg: ServingConfig, port_file: str | None,
     if not ready.done():
         ready.cancel()
         workers.stop()
-        await asyncio.gather(http.stop(), openai_app.stop())
+        await asyncio.gather(http.server.stop(), openai_app.server.stop())
         await server.stop(0)
         return 0
     info = ready.result()
@@ -159,7 +159,7 @@ async def serve(cfg: ServingConfig, port_file: str | None,
     deadline = time.monotonic() + cfg.drain_timeout
     while not workers.idle() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    await asyncio.gather(server.stop(grace=0.5), http.stop(), openai_app.stop())
+    await asyncio.gather(server.stop(grace=0.5), http.server.stop(), openai_app.server.stop())
     workers.stop()
     await asyncio.gather(*(c.close() for c in clients))
     return 0

@@ -146,12 +146,6 @@ class OpenAIApp:
         self.server = AppServer(self.app, shutdown_timeout=shutdown_timeout,
                                 keepalive_timeout=keepalive_timeout)
 
-    async def start(self, host: str, port: int, ssl_context=None) -> int:
-        return await self.server.start(host, port, ssl_context)
-
-    async def stop(self) -> None:
-        await self.server.stop()
-
     # --- middlewares --------------------------------------------------------------------
 
     @web.middleware

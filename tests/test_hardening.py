@@ -185,7 +185,7 @@ async def _start_app(**attrs):
 
     frontend = StubFrontend()
     app = InvocationsApp(frontend, **attrs)  # short timeouts: the defaults are minutes long
-    port = await app.start("127.0.0.1", 0)
+    port = await app.server.start("127.0.0.1", 0)
     return app, frontend, port
 
 
@@ -199,7 +199,7 @@ def test_http_stop_is_bounded_by_the_shutdown_timeout():
         await writer.drain()
         await asyncio.sleep(0.3)
         t0 = time.monotonic()
-        await asyncio.wait_for(app.stop(), 10)
+        await asyncio.wait_for(app.server.stop(), 10)
         took = time.monotonic() - t0
         writer.close()
         return took, frontend.closed
@@ -316,7 +316,7 @@ def test_slow_body_gets_408_and_the_connection_closes():
                 writer.close()
             return head, answer, time.monotonic() - t0
         finally:
-            await app.stop()
+            await app.server.stop()
 
     head, answer, took = asyncio.run(scenario())
     assert head.startswith(b"HTTP/1.1 408"), head
