@@ -14,6 +14,15 @@ class QueueFull(Exception):
     """The waiting queue is at its limit; the request is refused at once."""
 
 
+def check_room(waiting: int, n: int, max_size: int) -> None:
+    """Raise QueueFull unless `n` more requests fit beside `waiting` under `max_size`."""
+    if waiting + n > max_size:
+        if n == 1 or waiting >= max_size:
+            raise QueueFull(f"the waiting queue is full ({max_size} requests); retry later")
+        raise QueueFull(f"{n} prompts do not fit the waiting queue ({waiting} of {max_size} "
+                        "places taken); send fewer or retry later")
+
+
 class WaitingQueue:
     """First come, first served, with at most `max_size` requests."""
 
@@ -29,12 +38,7 @@ class WaitingQueue:
 
     def check_room(self, n: int = 1) -> None:
         """Raise QueueFull unless `n` more requests fit."""
-        if len(self._items) + n > self.max_size:
-            if n == 1 or len(self._items) >= self.max_size:
-                raise QueueFull(f"the waiting queue is full ({self.max_size} requests); "
-                                "retry later")
-            raise QueueFull(f"{n} prompts do not fit the waiting queue ({len(self._items)} of "
-                            f"{self.max_size} places taken); send fewer or retry later")
+        check_room(len(self._items), n, self.max_size)
 
     def push(self, seq: Sequence) -> None:
         self.check_room()

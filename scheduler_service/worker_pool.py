@@ -20,7 +20,7 @@ import logging
 from collections import OrderedDict
 from typing import Callable
 
-from scheduler_service.admission import QueueFull
+from scheduler_service.admission import check_room
 from scheduler_service.loop import IterationLoop
 from scheduler_service.sequence import Sequence
 from scheduler_service.worker_client import WorkerClient, WorkerInfo
@@ -153,13 +153,7 @@ class WorkerPool:
 
     def check_room(self, n: int) -> None:
         """Raise QueueFull unless `n` more requests fit the waiting queues together."""
-        waiting = self.waiting()
-        if waiting + n > self.max_queue:
-            if n == 1 or waiting >= self.max_queue:
-                raise QueueFull(f"the waiting queue is full ({self.max_queue} requests); "
-                                "retry later")
-            raise QueueFull(f"{n} prompts do not fit the waiting queue ({waiting} of "
-                            f"{self.max_queue} places taken); send fewer or retry later")
+        check_room(self.waiting(), n, self.max_queue)
 
     def submit(self, seq: Sequence) -> None:
         self.check_room(1)
