@@ -174,9 +174,10 @@ class WorkerPool:
         joined = [m for m in self.members if m.loop is not None and m is not exclude]
         live = [m for m in joined if m.serving] or joined
         hashes = prefix_hashes(seq.prompt_ids)
-        least = min(m.load() for m in live)
-        near = [m for m in live if m.load() <= least + PLACEMENT_SLACK]
-        best = max(near, key=lambda m: (m.prefix_hit(hashes), -m.load()))
+        load = {m.address: m.load() for m in live}  # each sums that worker's requests once
+        least = min(load.values())
+        near = [m for m in live if load[m.address] <= least + PLACEMENT_SLACK]
+        best = max(near, key=lambda m: (m.prefix_hit(hashes), -load[m.address]))
         best.remember(hashes)
         return best
 
