@@ -106,6 +106,10 @@ OPTIONS: tuple[Option, ...] = (
            help="dtype of the worker's KV buffers; auto: the model's, except on CPU: "
                 "float32 for float16 models, and for bfloat16 ones where the native "
                 "attention (native_attention.c) cannot be built"),
+    Option("batch_invariant", _bool, "true or false",
+           help="make a request's tokens independent of the rest of the batch: every linear "
+                "product computes at least two rows (oneDNN computes one row differently); "
+                "bfloat16 on CPU only, checked on a probe at load (README: what exact means)"),
     Option("trust_remote_code", _bool, "true or false",
            help="run model code shipped with the model (off unless set)"),
     Option("max_rolling_batch_size", int, "an integer >= 1", lambda v: v >= 1,
@@ -199,6 +203,7 @@ class ServingConfig:
     tensor_parallel_degree: int = 1
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    batch_invariant: bool = False
     trust_remote_code: bool = False
     max_rolling_batch_size: int = 64
     rolling_batch: str = "scheduler"

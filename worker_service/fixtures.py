@@ -56,6 +56,11 @@ SIZES = {
     # The architecture sweep (tests/test_architectures.py): sizes no kernel is tuned for
     # (head size 12), grouped heads (6 query heads over 2 key/value heads; multi-query where
     # an architecture has it) and a short sliding window.
+    # The batch-invariance test (tests/test_batch_invariant.py): a tiny model whose MLP down
+    # projection sums 2048 inputs, past the 1024 where oneDNN's one-row bfloat16 product
+    # starts to round differently from its batched one (worker_service/batch_invariance.py).
+    "wide": ModelSize(hidden=256, layers=2, heads=4, kv_heads=2, intermediate=2048, vocab=1000,
+                      max_positions=1024, init_std=0.1),
     "odd": ModelSize(hidden=72, layers=3, heads=6, kv_heads=2, intermediate=120, vocab=1000,
                      max_positions=1024, init_std=0.1, sliding_window=8),
 }

@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runner = ModelRunner(cfg.model_id, dtype=cfg.dtype, device=device,
                              trust_remote_code=cfg.trust_remote_code,
-                             kv_dtype=cfg.kv_cache_dtype, gguf_cache_dir=cfg.gguf_cache_dir)
+                             kv_dtype=cfg.kv_cache_dtype, gguf_cache_dir=cfg.gguf_cache_dir,
+                             batch_invariant=cfg.batch_invariant)
     except Exception:
         logger.exception("could not load model %s", cfg.model_id)
         server.stop(0)

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from seqserve_common.model_source import gguf_kwargs, model_files
-from worker_service import attention
+from worker_service import attention, batch_invariance
 from worker_service.kernels import fused_layers, linear_prepack, native_attention
 from worker_service.fallback import OwnAttention
 from worker_service.kv_groups import KVGroup, KVShape
@@ -96,7 +96,8 @@ class ModelRunner:
 
     def __init__(self, model_id: str, dtype: str = "float32", device: str = "cpu",
                  trust_remote_code: bool = False, prepack: bool = True,
-                 kv_dtype: str = "auto", gguf_cache_dir: str | None = None):
+                 kv_dtype: str = "auto", gguf_cache_dir: str | None = None,
+                 batch_invariant: bool = False):
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; use auto or one of "
                              f"{', '.join(DTYPES)}")
@@ -143,7 +144,8 @@ class ModelRunner:
             device=str(self.device),
         )
         if prepack and linear_prepack.supported(self.model):
-            n = linear_prepack.prepack_linears(self.model)
+            n = linear_prepack.prepack_linears(
+                self.model, batch_invariance.MIN_ROWS if batch_invariant else 1)
             self.lm_head = self.model.get_output_embeddings()
             logger.info("prepacked the weights of %d linear layers for oneDNN", n)
         norms, rotary = fused_layers.install(self.model)
@@ -152,6 +154,14 @@ class ModelRunner:
                         "modeling modules", norms, rotary)
         self.kv_shape = self._kv_shape(layers)
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        if batch_invariant:
+            reason = batch_invariance.unsupported(self) or batch_invariance.check(self)
+            if reason is not None:
+                raise ValueError(f"{batch_invariance.OPTION} cannot hold for {model_id}: "
+                                 f"{reason}; turn it off or see worker_service/"
+                                 "batch_invariance.py")
+            logger.info("batch-invariant: a request's logits do not depend on the batch "
+                        "(checked on a probe)")
         logger.info("loaded %s (%s) on %s in %s; KV in %s, %d bytes per token; %s", model_id,
                     self.facts.architecture, self.device, dtype, self.kv_dtype,
                     self.kv_shape.bytes_per_token,

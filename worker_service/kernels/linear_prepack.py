@@ -30,9 +30,15 @@ BATCH_HINT = 1
 
 
 class PrepackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear):
+    """`linear` with its weight in oneDNN's blocked layout. `min_rows`: a product of fewer
+    rows gets zero rows appended up to it (batch_invariance.py: oneDNN computes one row
+    differently from two or more, and a row of a larger product independently of the
+    others)."""
+
+    def __init__(self, linear: nn.Linear, min_rows: int = 1):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.min_rows = min_rows
         weight = linear.weight.detach()
         self.register_buffer("packed_weight",
                              torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT))
@@ -40,6 +46,13 @@ class PrepackedLinear(nn.Module):
                                                                   requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows < self.min_rows:
+            flat = x.reshape(rows, self.in_features)
+            padded = torch.cat([flat, flat.new_zeros(self.min_rows - rows, self.in_features)])
+            out = torch.ops.mkldnn._linear_pointwise(padded, self.packed_weight, self.bias,
+                                                     "none", [], "")
+            return out[:rows].reshape(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none",
                                                   [], "")
 
@@ -95,10 +108,10 @@ def supported(model: nn.Module) -> bool:
             and runs(p.dtype))
 
 
-def prepack_linears(model: nn.Module) -> int:
+def prepack_linears(model: nn.Module, min_rows: int = 1) -> int:
     """Swap every nn.Linear of `model` for a PrepackedLinear; returns how many."""
     swaps = [(parent, name, child) for parent in model.modules()
              for name, child in parent.named_children() if type(child) is nn.Linear]
     for parent, name, child in swaps:
-        setattr(parent, name, PrepackedLinear(child))
+        setattr(parent, name, PrepackedLinear(child, min_rows))
     return len(swaps)

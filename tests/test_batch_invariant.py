@@ -1,0 +1,63 @@
+"""option.batch_invariant (worker_service/batch_invariance.py): in bfloat16 a request's
+tokens and log-probabilities are the same alone and in a full batch of other prompts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from client import AsyncClient, Client
+from seqserve_common.config import ConfigError, load_config
+from tests.conftest import MODELS, tiny_model
+from worker_service.fixtures import make_model
+
+# Different prompts of different lengths; the batch is full with all of them.
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
+           "List three primary colors:", "Tell me an interesting fact about llamas.",
+           "What is the best way to cook a steak?", "Recommend some interesting books to read.",
+           "Are you familiar with the Special Theory of Relativity and can you explain it to me?"]
+PARAMS = dict(max_new_tokens=32, logprobs=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def wide_bf16():
+    """A tiny bfloat16 Llama whose MLP is wide enough for oneDNN's one-row product to round
+    differently from its batched one (without the option, requests 4-7 above got other
+    log-probabilities alone than together)."""
+    return make_model(MODELS / "wide-llama-bf16", arch="llama", size="wide", dtype="bfloat16")
+
+
+def test_option_is_a_validated_serving_option():
+    assert load_config(env={}).batch_invariant is False
+    assert load_config(env={"OPTION_BATCH_INVARIANT": "true"}).batch_invariant is True
+    with pytest.raises(ConfigError, match=r"option.batch_invariant='sometimes'.*true or false"):
+        load_config(env={}, overrides={"batch_invariant": "sometimes"})
+
+
+def test_load_check_finds_the_one_row_product_and_the_option_removes_it(wide_bf16):
+    from worker_service import batch_invariance
+    from worker_service.model_runner import ModelRunner
+
+    plain = ModelRunner(str(wide_bf16), dtype="bfloat16")
+    assert "linear product gives a row other bits alone" in batch_invariance.check(plain)
+    invariant = ModelRunner(str(wide_bf16), dtype="bfloat16", batch_invariant=True)
+    assert batch_invariance.check(invariant) is None
+    with pytest.raises(ValueError, match="option.batch_invariant cannot hold.*bfloat16 models"):
+        ModelRunner(str(tiny_model("llama")), dtype="float32", batch_invariant=True)
+
+
+def test_bf16_request_alone_equals_it_in_a_full_batch(wide_bf16, deploy):
+    d = deploy(wide_bf16, {"dtype": "bf16", "batch_invariant": "true"},
+               max_rolling_batch_size=len(PROMPTS))
+    probe = PROMPTS.index("Recommend some interesting books to read.")
+    with Client(d.address, timeout=300) as c:
+        alone = c.generate(PROMPTS[probe], **PARAMS)
+
+    async def full_batch():
+        async with AsyncClient(d.address, timeout=300) as c:
+            return await asyncio.gather(*(c.generate(p, **PARAMS) for p in PROMPTS))
+
+    together = asyncio.run(full_batch())[probe]
+    assert together.token_ids == alone.token_ids
+    assert together.logprobs == alone.logprobs  # every bit of every token's log-probability
