@@ -13,6 +13,7 @@ class DecodingStrategy(str, Enum):
     GREEDY = "greedy"
     SAMPLE = "sample"
     CONTRASTIVE = "contrastive"
+    BEAM = "beam"
 
     def to_proto(self) -> int:
         return _TO_PROTO[self]
@@ -24,5 +25,6 @@ class DecodingStrategy(str, Enum):
 
 _TO_PROTO = {DecodingStrategy.GREEDY: worker_pb2.SamplingParams.STRATEGY_GREEDY,
              DecodingStrategy.SAMPLE: worker_pb2.SamplingParams.STRATEGY_SAMPLE,
-             DecodingStrategy.CONTRASTIVE: worker_pb2.SamplingParams.STRATEGY_CONTRASTIVE}
+             DecodingStrategy.CONTRASTIVE: worker_pb2.SamplingParams.STRATEGY_CONTRASTIVE,
+             DecodingStrategy.BEAM: worker_pb2.SamplingParams.STRATEGY_BEAM}
 _FROM_PROTO = {v: k for k, v in _TO_PROTO.items()}

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from worker_service import sampling
+from worker_service.beam import BeamSearches
 from worker_service.contrastive import CandidateTree, ContrastiveSearch
 from worker_service.kv_groups import KVGroup
 from worker_service.model_runner import ModelRunner
@@ -59,6 +60,7 @@ class Engine:
         self.groups: list[KVGroup] = []
         self.group_of: dict[int, KVGroup] = {}
         self.contrastive = ContrastiveSearch(runner)
+        self.beams = BeamSearches(self)
 
     # --- bookkeeping -----------------------------------------------------------------
 
@@ -73,6 +75,7 @@ class Engine:
         self.sequences.clear()
         self.groups.clear()
         self.group_of.clear()
+        self.beams.clear()
 
     def warm_up(self, num_tokens: int, chunk: int = 256, premap_bytes: int = 0) -> float:
         """Prefill `num_tokens` throwaway tokens in one forward, as the largest step the
@@ -127,8 +130,9 @@ class Engine:
         result = StepResult()
         for g in self.groups:
             g.copied_bytes = 0
-        for sid in release:
+        for sid in self.beams.expand_release(release):
             self.release(sid)
+        plan = self.beams.expand_plan(plan)  # a beam request's rows beside it
         new_ids = set()
         for ns in prefill:
             if ns.seq_id in self.sequences or ns.seq_id in new_ids:
@@ -270,6 +274,7 @@ class Engine:
             self.contrastive.choose(tree, hidden, result)
         self.contrastive.first_tokens([p for p in fwd.prefills if p.seq.contrastive], hidden,
                                       result)
+        self.beams.advance(result)
 
     def _pack(self, groups: list[KVGroup], old_counts: list[int], starts: dict[int, int],
               result: StepResult) -> StepForward:
@@ -331,6 +336,7 @@ class Engine:
     def _emit(self, seqs: list[SequenceState], logits: torch.Tensor, result: StepResult) -> None:
         """Greedy and sampled sequences: choose from their logits rows [len(seqs), V]."""
         t = time.perf_counter()
+        seqs, logits = self.beams.take(seqs, logits)
         chosen = sampling.choose_tokens(logits, seqs)
         for s, token in zip(seqs, chosen):
             s.accept(token.token_id)

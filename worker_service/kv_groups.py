@@ -158,6 +158,18 @@ class KVGroup:
         self.copied_bytes += length * self.shape.bytes_per_token
         return row
 
+    def copy_within(self, src_row: int, dst_row: int, start: int) -> None:
+        """Row `dst_row` becomes a copy of row `src_row`, which holds the same KV at slots
+        below `start` already (beam search forks a beam into the row of one that ended:
+        only the slots past their common prefix are copied)."""
+        length = self._lengths[src_row]
+        start = min(start, length, self._lengths[dst_row])
+        for layer in range(self.shape.num_layers):
+            self.keys[layer][dst_row, :, start:length] = self.keys[layer][src_row, :, start:length]
+            self.values[layer][dst_row, :, start:length] = self.values[layer][src_row, :, start:length]
+        self._lengths[dst_row] = length
+        self.copied_bytes += (length - start) * self.shape.bytes_per_token
+
     def remove_row(self, row: int) -> None:
         """Drop a row; the last row moves into its place so the rows stay contiguous."""
         last = self.rows - 1

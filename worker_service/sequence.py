@@ -10,6 +10,17 @@ from seqserve_common.decoding import DecodingStrategy
 
 
 @dataclass(frozen=True)
+class BeamParams:
+    """Beam search parameters of one sequence, as Hugging Face generate takes them."""
+
+    num_beams: int
+    max_new_tokens: int
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # False, True or "never"
+    num_return_sequences: int = 1
+
+
+@dataclass(frozen=True)
 class DecodingParams:
     """Validated decoding parameters of one sequence (the scheduler checked the ranges)."""
 
@@ -22,6 +33,7 @@ class DecodingParams:
     seed: int = 0
     penalty_alpha: float = 0.6
     logprobs: int = -1  # -1: none; 0..5: the chosen token's and that many alternatives
+    beam: BeamParams | None = None  # set with DecodingStrategy.BEAM only
 
     @property
     def needs_processing(self) -> bool:
@@ -55,6 +67,11 @@ class SequenceState:
     @property
     def contrastive(self) -> bool:
         return self.params.strategy == DecodingStrategy.CONTRASTIVE
+
+    @property
+    def beam(self) -> bool:
+        """One row of a beam search (beam.py): its logits go to the search, not a sampler."""
+        return self.params.strategy == DecodingStrategy.BEAM
 
     def ids_tensor(self, device: torch.device) -> torch.Tensor:
         """All token ids as a tensor, extended incrementally (for repetition penalty)."""

@@ -19,18 +19,30 @@ from seqserve_common.decoding import DecodingStrategy
 from worker_service.compute import compute_thread
 from worker_service.engine import Engine, StepError
 from worker_service.metrics import WorkerMetrics
-from worker_service.sequence import DecodingParams
+from worker_service.sequence import BeamParams, DecodingParams
 from worker_service.step import GeneratedToken, PrefillSpec, StepResult
 
 logger = logging.getLogger(__name__)
 
 
+_EARLY_STOPPING = {worker_pb2.EARLY_STOPPING_FALSE: False, worker_pb2.EARLY_STOPPING_TRUE: True,
+                   worker_pb2.EARLY_STOPPING_NEVER: "never"}
+
+
 def params_from_proto(p: worker_pb2.SamplingParams) -> DecodingParams:
+    strategy = DecodingStrategy.from_proto(p.strategy)
+    beam = None
+    if strategy == DecodingStrategy.BEAM:
+        b = p.beam
+        beam = BeamParams(num_beams=b.num_beams, max_new_tokens=b.max_new_tokens,
+                          length_penalty=b.length_penalty,
+                          early_stopping=_EARLY_STOPPING[b.early_stopping],
+                          num_return_sequences=b.num_return_sequences or 1)
     return DecodingParams(
-        strategy=DecodingStrategy.from_proto(p.strategy), temperature=p.temperature or 1.0,
+        strategy=strategy, temperature=p.temperature or 1.0,
         top_k=p.top_k, top_p=p.top_p or 1.0, typical_p=p.typical_p or 1.0,
         repetition_penalty=p.repetition_penalty or 1.0, seed=p.seed,
-        penalty_alpha=p.penalty_alpha, logprobs=p.logprobs)
+        penalty_alpha=p.penalty_alpha, logprobs=p.logprobs, beam=beam)
 
 
 def prefill_from_proto(ns: worker_pb2.NewSequence) -> PrefillSpec:
@@ -41,6 +53,10 @@ def prefill_from_proto(ns: worker_pb2.NewSequence) -> PrefillSpec:
 def token_to_proto(t: GeneratedToken) -> worker_pb2.SequenceToken:
     msg = worker_pb2.SequenceToken(sequence_id=t.seq_id, token_id=t.token_id,
                                    cached_tokens=t.cached_tokens)
+    if t.beam_running:
+        msg.beam_running = True
+    for tokens, score in t.beams or ():
+        msg.beams.append(worker_pb2.BeamHypothesis(token_ids=tokens, score=score))
     if t.logprob is not None:
         msg.logprob = t.logprob
         msg.top_logprobs.extend(worker_pb2.TopLogprob(id=i, logprob=lp)

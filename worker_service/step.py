@@ -33,6 +33,11 @@ class GeneratedToken:
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None  # (token id, log-probability), best first
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # Beam search (beam.py): the search advanced a step and goes on (token_id means
+    # nothing), or, on its last message, its best finished hypotheses as (generated token
+    # ids, score), best first.
+    beam_running: bool = False
+    beams: list[tuple[list[int], float]] | None = None
 
 
 @dataclass

@@ -39,7 +39,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodingParameters(_message.Message):
-    __slots__ = ("max_new_tokens", "decoding_strategy", "do_sample", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "seed", "stop", "ignore_eos", "penalty_alpha", "logprobs")
+    __slots__ = ("max_new_tokens", "decoding_strategy", "do_sample", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "seed", "stop", "ignore_eos", "penalty_alpha", "logprobs", "num_beams", "length_penalty", "early_stopping", "num_return_sequences")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DECODING_STRATEGY_FIELD_NUMBER: _ClassVar[int]
     DO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,10 @@ class DecodingParameters(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     PENALTY_ALPHA_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BEAMS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    EARLY_STOPPING_FIELD_NUMBER: _ClassVar[int]
+    NUM_RETURN_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     decoding_strategy: str
     do_sample: bool
@@ -66,7 +70,23 @@ class DecodingParameters(_message.Message):
     ignore_eos: bool
     penalty_alpha: float
     logprobs: int
-    def __init__(self, max_new_tokens: _Optional[int] = ..., decoding_strategy: _Optional[str] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., penalty_alpha: _Optional[float] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    num_beams: int
+    length_penalty: float
+    early_stopping: str
+    num_return_sequences: int
+    def __init__(self, max_new_tokens: _Optional[int] = ..., decoding_strategy: _Optional[str] = ..., do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., penalty_alpha: _Optional[float] = ..., logprobs: _Optional[int] = ..., num_beams: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[str] = ..., num_return_sequences: _Optional[int] = ...) -> None: ...
+
+class ReturnedSequence(_message.Message):
+    __slots__ = ("text", "token_ids", "score", "finish_reason")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    score: float
+    finish_reason: FinishReason
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., score: _Optional[float] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("id", "text", "logprob")
@@ -99,32 +119,36 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token", "text", "finish_reason", "usage")
+    __slots__ = ("request_id", "token", "text", "finish_reason", "usage", "sequences")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token: Token
     text: str
     finish_reason: FinishReason
     usage: Usage
-    def __init__(self, request_id: _Optional[str] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    sequences: _containers.RepeatedCompositeFieldContainer[ReturnedSequence]
+    def __init__(self, request_id: _Optional[str] = ..., token: _Optional[_Union[Token, _Mapping]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., sequences: _Optional[_Iterable[_Union[ReturnedSequence, _Mapping]]] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
-    __slots__ = ("request_id", "generated_text", "finish_reason", "usage", "tokens")
+    __slots__ = ("request_id", "generated_text", "finish_reason", "usage", "tokens", "sequences")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     generated_text: str
     finish_reason: FinishReason
     usage: Usage
     tokens: _containers.RepeatedCompositeFieldContainer[Token]
-    def __init__(self, request_id: _Optional[str] = ..., generated_text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ...) -> None: ...
+    sequences: _containers.RepeatedCompositeFieldContainer[ReturnedSequence]
+    def __init__(self, request_id: _Optional[str] = ..., generated_text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., tokens: _Optional[_Iterable[_Union[Token, _Mapping]]] = ..., sequences: _Optional[_Iterable[_Union[ReturnedSequence, _Mapping]]] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()

@@ -7,6 +7,15 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class EarlyStopping(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EARLY_STOPPING_FALSE: _ClassVar[EarlyStopping]
+    EARLY_STOPPING_TRUE: _ClassVar[EarlyStopping]
+    EARLY_STOPPING_NEVER: _ClassVar[EarlyStopping]
+EARLY_STOPPING_FALSE: EarlyStopping
+EARLY_STOPPING_TRUE: EarlyStopping
+EARLY_STOPPING_NEVER: EarlyStopping
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -32,15 +41,17 @@ class InfoResponse(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("strategy", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "seed", "penalty_alpha", "logprobs")
+    __slots__ = ("strategy", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "seed", "penalty_alpha", "logprobs", "beam")
     class Strategy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STRATEGY_GREEDY: _ClassVar[SamplingParams.Strategy]
         STRATEGY_SAMPLE: _ClassVar[SamplingParams.Strategy]
         STRATEGY_CONTRASTIVE: _ClassVar[SamplingParams.Strategy]
+        STRATEGY_BEAM: _ClassVar[SamplingParams.Strategy]
     STRATEGY_GREEDY: SamplingParams.Strategy
     STRATEGY_SAMPLE: SamplingParams.Strategy
     STRATEGY_CONTRASTIVE: SamplingParams.Strategy
+    STRATEGY_BEAM: SamplingParams.Strategy
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +61,7 @@ class SamplingParams(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     PENALTY_ALPHA_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    BEAM_FIELD_NUMBER: _ClassVar[int]
     strategy: SamplingParams.Strategy
     temperature: float
     top_k: int
@@ -59,7 +71,22 @@ class SamplingParams(_message.Message):
     seed: int
     penalty_alpha: float
     logprobs: int
-    def __init__(self, strategy: _Optional[_Union[SamplingParams.Strategy, str]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., penalty_alpha: _Optional[float] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    beam: BeamParams
+    def __init__(self, strategy: _Optional[_Union[SamplingParams.Strategy, str]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., penalty_alpha: _Optional[float] = ..., logprobs: _Optional[int] = ..., beam: _Optional[_Union[BeamParams, _Mapping]] = ...) -> None: ...
+
+class BeamParams(_message.Message):
+    __slots__ = ("num_beams", "length_penalty", "early_stopping", "num_return_sequences", "max_new_tokens")
+    NUM_BEAMS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    EARLY_STOPPING_FIELD_NUMBER: _ClassVar[int]
+    NUM_RETURN_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_beams: int
+    length_penalty: float
+    early_stopping: EarlyStopping
+    num_return_sequences: int
+    max_new_tokens: int
+    def __init__(self, num_beams: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[_Union[EarlyStopping, str]] = ..., num_return_sequences: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
     __slots__ = ("sequence_id", "token_ids", "num_generated", "params", "pin_tokens")
@@ -102,18 +129,30 @@ class TopLogprob(_message.Message):
     def __init__(self, id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class SequenceToken(_message.Message):
-    __slots__ = ("sequence_id", "token_id", "logprob", "top_logprobs", "cached_tokens")
+    __slots__ = ("sequence_id", "token_id", "logprob", "top_logprobs", "cached_tokens", "beam_running", "beams")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BEAM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    BEAMS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: int
     token_id: int
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
     cached_tokens: int
-    def __init__(self, sequence_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    beam_running: bool
+    beams: _containers.RepeatedCompositeFieldContainer[BeamHypothesis]
+    def __init__(self, sequence_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., beam_running: _Optional[bool] = ..., beams: _Optional[_Iterable[_Union[BeamHypothesis, _Mapping]]] = ...) -> None: ...
+
+class BeamHypothesis(_message.Message):
+    __slots__ = ("token_ids", "score")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    score: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., score: _Optional[float] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("step_id", "tokens", "regroup_bytes", "kv_slots", "kv_tokens", "prefix_cache_bytes", "worker_seconds")
