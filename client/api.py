@@ -27,6 +27,16 @@ FINISH_REASONS = {generate_pb2.FINISH_REASON_LENGTH: "length",
 
 
 @dataclass
+class BeamSequence:
+    """One returned beam search hypothesis."""
+
+    text: str
+    token_ids: list[int]
+    score: float
+    finish_reason: str
+
+
+@dataclass
 class Chunk:
     """One streamed message: a token and its text, or (final) the finish reason and counts."""
 
@@ -38,6 +48,7 @@ class Chunk:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     cached_tokens: int = 0
+    sequences: list[BeamSequence] = field(default_factory=list)  # beam search, final chunk
 
 
 @dataclass
@@ -51,6 +62,8 @@ class Reply:
     generated_tokens: int
     cached_tokens: int = 0
     logprobs: list[float | None] = field(default_factory=list)
+    # Beam search: the num_return_sequences best hypotheses, best first (the first is text).
+    sequences: list[BeamSequence] = field(default_factory=list)
 
 
 def build_request(prompt: str | Sequence[int], cached_prompt: str = "", request_id: str = "",
@@ -58,6 +71,8 @@ def build_request(prompt: str | Sequence[int], cached_prompt: str = "", request_
     """A GenerateRequest for a text prompt or a list of token ids; keyword arguments are
     DecodingParameters fields (stop: list)."""
     stop = params.pop("stop", None)
+    if isinstance(params.get("early_stopping"), bool):  # the proto field is a string
+        params["early_stopping"] = "true" if params["early_stopping"] else "false"
     dp = generate_pb2.DecodingParameters(**{k: v for k, v in params.items() if v is not None})
     if stop:
         dp.stop.extend([stop] if isinstance(stop, str) else stop)
@@ -83,6 +98,8 @@ def to_chunk(msg: generate_pb2.GenerateResponse) -> Chunk:
         chunk.prompt_tokens = msg.usage.prompt_tokens
         chunk.generated_tokens = msg.usage.generated_tokens
         chunk.cached_tokens = msg.usage.cached_tokens
+        chunk.sequences = [BeamSequence(s.text, list(s.token_ids), s.score,
+                                        FINISH_REASONS[s.finish_reason]) for s in msg.sequences]
     return chunk
 
 
@@ -96,7 +113,7 @@ def collect(chunks) -> Reply:
         last = c
     return Reply(text="".join(texts), token_ids=ids, finish_reason=last.finish_reason,
                  prompt_tokens=last.prompt_tokens, generated_tokens=last.generated_tokens,
-                 cached_tokens=last.cached_tokens, logprobs=lps)
+                 cached_tokens=last.cached_tokens, logprobs=lps, sequences=last.sequences)
 
 
 def channel_credentials(tls_ca_file: str | None = None, tls_cert_file: str | None = None,

@@ -37,7 +37,10 @@ class BatchPlanner:
              release: list[int]) -> StepPlan:
         batch = running + admitted
         members = frozenset(s.seq_id for s in batch)
-        lengths = [s.length for s in batch]
+        # A beam search is one row per beam on the worker, all of its length: the
+        # partition sees each row, and keeps them together (equal lengths are never split).
+        rows = [s for s in batch for _ in range(s.rows)]
+        lengths = [s.length for s in rows]
         if members == self._members and not admitted:
             # Same members, all one token longer: padding and optimality are unchanged.
             part = self._partition
@@ -45,7 +48,7 @@ class BatchPlanner:
                                 sparsity=_sparsity(part.padding, sum(lengths)))
             return StepPlan(release, [], self._groups, shifted, False)
         part = plan_partition(lengths, self.max_sparsity, self.max_splits)
-        groups = [[batch[i].seq_id for i in g] for g in part.groups]
+        groups = [list(dict.fromkeys(rows[i].seq_id for i in g)) for g in part.groups]
         self._members, self._groups, self._partition = members, groups, part
         return StepPlan(release, admitted, groups, part, True)
 

@@ -210,9 +210,11 @@ class Frontend:
         ids, pin = await self._prompt_ids(state, prompt, request.cached_prompt)
         cfg = resolve(request.params, state.limits, len(ids))
         workers = state.workers
-        if len(ids) + cfg.max_new_tokens > workers.kv_budget:
-            raise RequestError(f"prompt plus max_new_tokens needs {len(ids) + cfg.max_new_tokens}"
-                               f" KV tokens; a worker holds at most {workers.kv_budget}")
+        need = (len(ids) + cfg.max_new_tokens) * cfg.rows
+        if need > workers.kv_budget:
+            beams = f" times num_beams {cfg.rows}" if cfg.rows > 1 else ""
+            raise RequestError(f"prompt plus max_new_tokens{beams} needs {need} KV tokens; a "
+                               f"worker holds at most {workers.kv_budget}")
         return Sequence(
             seq_id=workers.new_seq_id(), request_id=request_id, prompt_ids=list(ids), params=cfg,
             detokenizer=IncrementalDetokenizer(state.tokenizer, ids),

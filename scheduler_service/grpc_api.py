@@ -21,7 +21,8 @@ _FINISH = {FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
            FinishReason.EOS: generate_pb2.FINISH_REASON_EOS,
            FinishReason.STOP: generate_pb2.FINISH_REASON_STOP}
 _OPTIONAL = ("max_new_tokens", "decoding_strategy", "do_sample", "temperature", "top_k", "top_p",
-             "typical_p", "repetition_penalty", "seed", "ignore_eos", "penalty_alpha", "logprobs")
+             "typical_p", "repetition_penalty", "seed", "ignore_eos", "penalty_alpha", "logprobs",
+             "num_beams", "length_penalty", "early_stopping", "num_return_sequences")
 
 
 def _params(p: generate_pb2.DecodingParameters) -> dict[str, Any]:
@@ -68,7 +69,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 await _abort_on_error(event, context)
                 yield generate_pb2.GenerateResponse(
                     request_id=seq.request_id, text=event.text,
-                    finish_reason=_FINISH[event.reason], usage=_usage(event))
+                    finish_reason=_FINISH[event.reason], usage=_usage(event),
+                    sequences=_sequences(event))
 
     async def GenerateUnary(self, request, context):
         seq = await self._start(request, context)
@@ -81,7 +83,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 await _abort_on_error(event, context)
                 return generate_pb2.GenerateReply(
                     request_id=seq.request_id, generated_text="".join(texts),
-                    finish_reason=_FINISH[event.reason], usage=_usage(event), tokens=tokens)
+                    finish_reason=_FINISH[event.reason], usage=_usage(event), tokens=tokens,
+                    sequences=_sequences(event))
 
     async def ModelInfo(self, request, context):
         try:
@@ -149,6 +152,12 @@ def _token(event: TokenEvent) -> generate_pb2.Token:
         tok.top_logprobs.extend(generate_pb2.TopLogprob(id=i, logprob=lp, text=text)
                                 for (i, lp), text in zip(event.top or [], texts))
     return tok
+
+
+def _sequences(event: FinishEvent) -> list[generate_pb2.ReturnedSequence]:
+    return [generate_pb2.ReturnedSequence(text=h.text, token_ids=h.token_ids, score=h.score,
+                                          finish_reason=_FINISH[h.reason])
+            for h in event.sequences or ()]
 
 
 def _usage(event: FinishEvent) -> generate_pb2.Usage:

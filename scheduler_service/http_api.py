@@ -62,8 +62,14 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
 
 
 def _details(ev: FinishEvent) -> dict:
-    return {"finish_reason": ev.reason.value, "generated_tokens": ev.generated_tokens,
-            "inputs": ev.prompt_tokens, "cached_tokens": ev.cached_tokens}
+    details = {"finish_reason": ev.reason.value, "generated_tokens": ev.generated_tokens,
+               "inputs": ev.prompt_tokens, "cached_tokens": ev.cached_tokens}
+    if ev.sequences is not None:
+        # Beam search: the num_return_sequences best hypotheses, best first.
+        details["sequences"] = [
+            {"generated_text": h.text, "token_ids": h.token_ids, "score": h.score,
+             "finish_reason": h.reason.value} for h in ev.sequences]
+    return details
 
 
 class InvocationsApp:

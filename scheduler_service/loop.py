@@ -21,7 +21,7 @@ import grpc
 from scheduler_service.admission import Budget, FCFSAdmission, WaitingQueue
 from scheduler_service.batch_plan import BatchPlanner, StepPlan
 from scheduler_service.metrics import SchedulerMetrics
-from scheduler_service.output import emit_finish, emit_token
+from scheduler_service.output import emit_beams, emit_finish, emit_token
 from scheduler_service.sequence import FinishReason, Sequence, Status
 from scheduler_service.worker_client import (
     StepFailed,
@@ -299,7 +299,13 @@ class IterationLoop:
         seq.last_token_time = now
         if self._step_failures:
             self._step_failures.pop(seq.seq_id, None)
-        reason = emit_token(seq, tok, self.eos_ids)
+        if tok.beam_running:
+            seq.beam_steps += 1  # a beam search advanced; its tokens come when it ends
+            return
+        if tok.beams:
+            reason = emit_beams(seq, tok, self.eos_ids)
+        else:
+            reason = emit_token(seq, tok, self.eos_ids)
         if reason is not None:
             self._finish(seq, reason)
 
@@ -336,7 +342,7 @@ class IterationLoop:
         self._close_stream()  # the Steps sent after the failed one are void
         readmit = list(self.running.values())
         for s in readmit:
-            s.in_flight, s.released = 0, False
+            s.in_flight, s.released, s.beam_steps = 0, False, 0  # beams start again
         self.running.clear()
         self.to_release.clear()
         self.planner.forget()

@@ -363,7 +363,7 @@ def _request_error(exc: RequestError, limit_field: str, prompt_field: str) -> Ap
     first = message.split(" ", 1)[0].rstrip(":,")
     known = {limit_field, "temperature", "top_p", "top_k", "typical_p", "repetition_penalty",
              "seed", "stop", "ignore_eos", "penalty_alpha", "decoding_strategy", "logprobs",
-             "n", "cached_prompt"}
+             "n", "cached_prompt", "num_beams", "length_penalty", "early_stopping"}
     if "plus max_new_tokens" in str(exc):  # prompt and limit together do not fit
         param = limit_field
     elif first in known:

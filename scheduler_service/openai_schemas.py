@@ -21,7 +21,7 @@ from scheduler_service.params import MAX_LOGPROBS
 # seqserve's parameters a body may carry beside OpenAI's (the extras vLLM-style clients send
 # with `extra_body`).
 SEQSERVE_EXTRAS = ("top_k", "penalty_alpha", "decoding_strategy", "repetition_penalty",
-                   "ignore_eos", "typical_p")
+                   "ignore_eos", "typical_p", "num_beams", "length_penalty", "early_stopping")
 ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -114,6 +114,11 @@ class _Common(_Strict):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     typical_p: float | None = None
+    # Beam search (the best hypothesis is the choice; temperature is then ignored, as
+    # Hugging Face generate ignores it without sampling)
+    num_beams: int | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | str | None = None
 
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod
@@ -230,7 +235,9 @@ def decoding_params(req: CompletionRequest | ChatCompletionRequest) -> dict[str,
     if limit is not None:
         out["max_new_tokens"] = limit
     strategy = req.decoding_strategy
-    if req.temperature == 0:
+    if (req.num_beams or 1) > 1 and strategy is None:
+        pass  # beam search: num_beams decides, whatever the temperature
+    elif req.temperature == 0:
         if strategy not in (None, "greedy"):
             raise ApiError(400, f"temperature 0 means greedy decoding; with decoding_strategy "
                            f"{strategy!r} send a temperature > 0", "temperature")
@@ -241,7 +248,7 @@ def decoding_params(req: CompletionRequest | ChatCompletionRequest) -> dict[str,
     if strategy is not None:
         out["decoding_strategy"] = strategy
     for name in ("top_p", "seed", "top_k", "penalty_alpha", "repetition_penalty", "ignore_eos",
-                 "typical_p"):
+                 "typical_p", "num_beams", "length_penalty", "early_stopping"):
         if getattr(req, name) is not None:
             out[name] = getattr(req, name)
     if req.stop is not None:

@@ -3,7 +3,8 @@ length limits, and the token and finish events a front end streams."""
 
 from __future__ import annotations
 
-from scheduler_service.sequence import FinishEvent, FinishReason, Sequence, TokenEvent
+from scheduler_service.detokenizer import IncrementalDetokenizer
+from scheduler_service.sequence import FinishEvent, FinishReason, Hypothesis, Sequence, TokenEvent
 from scheduler_service.worker_client import StepToken
 
 
@@ -32,6 +33,23 @@ def emit_token(seq: Sequence, tok: StepToken, eos_ids: frozenset[int]) -> Finish
     return None
 
 
+def emit_beams(seq: Sequence, tok: StepToken, eos_ids: frozenset[int]) -> FinishReason:
+    """A beam search ended: stream the best hypothesis's tokens now, keep every returned
+    hypothesis for the finish event, and say why the best one ended."""
+    seq.hypotheses = []
+    for token_ids, score in tok.beams:
+        detok = IncrementalDetokenizer(seq.detokenizer.tokenizer, seq.prompt_ids)
+        text = "".join(detok.add(t) for t in token_ids) + detok.flush()
+        reason = (FinishReason.EOS if token_ids and token_ids[-1] in eos_ids
+                  else FinishReason.LENGTH)
+        seq.hypotheses.append(Hypothesis(list(token_ids), text, score, reason))
+    for t in tok.beams[0][0]:
+        seq.output_ids.append(t)
+        text, _ = seq.stops.feed(seq.detokenizer.add(t))  # no stop strings with beams
+        seq.events.put_nowait(TokenEvent(t, text))
+    return seq.hypotheses[0].reason
+
+
 def emit_finish(seq: Sequence, reason: FinishReason, error: str | None = None) -> FinishReason:
     """Release the text held back and send the finish event; returns the final reason (a
     stop string completed by the held-back text turns EOS or LENGTH into STOP)."""
@@ -43,5 +61,5 @@ def emit_finish(seq: Sequence, reason: FinishReason, error: str | None = None) -
         else:
             tail += seq.stops.flush()
     seq.events.put_nowait(FinishEvent(reason, tail, len(seq.prompt_ids), len(seq.output_ids),
-                                      seq.cached_tokens, error))
+                                      seq.cached_tokens, error, seq.hypotheses))
     return reason

@@ -19,6 +19,10 @@ MAX_LOGPROBS = 5
 # size would make one request cost as much as thousands of greedy ones and slow every
 # sequence batched with it. HF's guidance is 4 to 10 candidates; 64 leaves ample room.
 MAX_CONTRASTIVE_TOP_K = 64
+# Beam search runs num_beams rows and reserves KV for each: a bound like contrastive's.
+MAX_BEAMS = 16
+DEFAULT_BEAMS = 4  # decoding_strategy "beam" without num_beams
+EARLY_STOPPING = {True: True, False: False, "true": True, "false": False, "never": "never"}
 STRATEGIES = tuple(s.value for s in DecodingStrategy)
 
 
@@ -53,11 +57,21 @@ class DecodingConfig:
     ignore_eos: bool = False
     penalty_alpha: float = 0.6
     logprobs: int = -1  # -1: not requested
+    num_beams: int = 1  # > 1 with strategy BEAM only
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # False, True or "never"
+    num_return_sequences: int = 1
+
+    @property
+    def rows(self) -> int:
+        """Rows the sequence occupies on the worker: one per beam."""
+        return self.num_beams
 
 
 KNOWN = frozenset({"max_new_tokens", "decoding_strategy", "do_sample", "temperature", "top_k",
                    "top_p", "typical_p", "repetition_penalty", "seed", "stop", "ignore_eos",
-                   "penalty_alpha", "logprobs"})
+                   "penalty_alpha", "logprobs", "num_beams", "length_penalty", "early_stopping",
+                   "num_return_sequences"})
 CONTRASTIVE_DEFAULT_TOP_K = 4
 
 
@@ -119,6 +133,7 @@ def resolve(params: Mapping[str, Any], limits: Limits, prompt_tokens: int) -> De
     else:
         strategy = limits.default_strategy
     strategy = DecodingStrategy(strategy)
+    strategy, beams = _beams(p, strategy)
 
     max_new = _integer("max_new_tokens", p.get("max_new_tokens", limits.default_max_new_tokens))
     _in_range("max_new_tokens", max_new, 1, limits.max_new_tokens_limit)
@@ -183,10 +198,53 @@ def resolve(params: Mapping[str, Any], limits: Limits, prompt_tokens: int) -> De
     else:
         logprobs = _integer("logprobs", logprobs)
         _in_range("logprobs", logprobs, 0, MAX_LOGPROBS)
+    if strategy is DecodingStrategy.BEAM:
+        for name, bad in (("stop", bool(stop)), ("ignore_eos", ignore_eos),
+                          ("logprobs", logprobs >= 0)):
+            if bad:
+                raise RequestError(f"{name} does not work with beam search (num_beams > 1): "
+                                   "its tokens are known only when the search ends; "
+                                   f"leave {name} out or use num_beams 1")
     return DecodingConfig(
         max_new_tokens=max_new, strategy=strategy, temperature=temperature, top_k=top_k,
         top_p=top_p, typical_p=typical_p, repetition_penalty=rep, seed=seed,
-        stop=tuple(stop), ignore_eos=ignore_eos, penalty_alpha=alpha, logprobs=logprobs)
+        stop=tuple(stop), ignore_eos=ignore_eos, penalty_alpha=alpha, logprobs=logprobs,
+        **beams)
+
+
+def _beams(p: Mapping[str, Any], strategy: DecodingStrategy
+           ) -> tuple[DecodingStrategy, dict[str, Any]]:
+    """The strategy once num_beams is known, and the beam search fields. As in Hugging Face
+    generate, num_beams > 1 without sampling is beam search."""
+    explicit = p.get("decoding_strategy") is not None
+    default = DEFAULT_BEAMS if strategy is DecodingStrategy.BEAM else 1
+    num_beams = _integer("num_beams", p.get("num_beams", default))
+    _in_range("num_beams", num_beams, 1, MAX_BEAMS)
+    if num_beams > 1 and strategy is not DecodingStrategy.BEAM:
+        if explicit or p.get("do_sample") is True:
+            chosen = (f"decoding_strategy {strategy.value!r}" if explicit else "do_sample true")
+            raise RequestError(f"num_beams {num_beams} asks for beam search, which does not "
+                               f"go with {chosen}; send num_beams 1, or leave that out")
+        strategy = DecodingStrategy.BEAM
+    if strategy is DecodingStrategy.BEAM and num_beams < 2:
+        raise RequestError("decoding_strategy 'beam' needs num_beams of at least 2 (one beam "
+                           "is greedy decoding)")
+    n = _integer("num_return_sequences", p.get("num_return_sequences", 1))
+    if n > num_beams:
+        raise RequestError(f"num_return_sequences {n} exceeds num_beams {num_beams}: beam "
+                           "search returns at most one hypothesis per beam (several sampled "
+                           "choices are `n`)")
+    _in_range("num_return_sequences", n, 1, MAX_BEAMS)
+    length_penalty = _number("length_penalty", p.get("length_penalty", 1.0))
+    early = p.get("early_stopping", False)
+    if isinstance(early, str):
+        early = early.lower()
+    if not isinstance(early, (bool, str)) or early not in EARLY_STOPPING:
+        raise RequestError(f"early_stopping must be true, false or \"never\", got {early!r}")
+    if strategy is not DecodingStrategy.BEAM:
+        return strategy, {}
+    return strategy, {"num_beams": num_beams, "length_penalty": length_penalty,
+                      "early_stopping": EARLY_STOPPING[early], "num_return_sequences": n}
 
 
 def check_text(name: str, text: str, required: bool) -> None:

@@ -36,6 +36,16 @@ class TokenEvent:
     top_text: list[str] | None = None  # each alternative's text on its own, as `top`
 
 
+@dataclass(frozen=True)
+class Hypothesis:
+    """One finished beam search hypothesis as returned to the client."""
+
+    token_ids: list[int]
+    text: str
+    score: float
+    reason: FinishReason  # EOS when it ends with an end-of-sequence token, else LENGTH
+
+
 @dataclass
 class FinishEvent:
     """The end of a generation: remaining text and counts."""
@@ -46,6 +56,9 @@ class FinishEvent:
     generated_tokens: int
     cached_tokens: int
     error: str | None = None
+    # Beam search: the num_return_sequences best hypotheses, best first (the first is
+    # the one whose tokens were streamed).
+    sequences: list[Hypothesis] | None = None
 
 
 @dataclass
@@ -67,6 +80,10 @@ class Sequence:
     in_flight: int = 0  # tokens of this sequence in Steps sent but not yet answered
     worker: str = ""  # address of the worker it is placed on (worker_pool.py)
     released: bool = False  # the worker was told to drop it (its last token is in flight)
+    # Beam search: steps the worker's beams advanced (their tokens come at the end), and
+    # then the hypotheses it returned.
+    beam_steps: int = 0
+    hypotheses: list[Hypothesis] | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -74,21 +91,32 @@ class Sequence:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     @property
+    def generated(self) -> int:
+        """Tokens generated so far: received, or the steps a beam search advanced."""
+        return len(self.output_ids) + self.beam_steps
+
+    @property
     def length(self) -> int:
-        """KV length once the Steps in flight are answered: prompt, generated and in-flight
-        tokens (what the partition balances)."""
-        return len(self.prompt_ids) + len(self.output_ids) + self.in_flight
+        """KV length of each of its rows once the Steps in flight are answered: prompt,
+        generated and in-flight tokens (what the partition balances)."""
+        return len(self.prompt_ids) + self.generated + self.in_flight
+
+    @property
+    def rows(self) -> int:
+        """Rows it occupies on the worker: one, or one per beam."""
+        return self.params.rows
 
     @property
     def advancing(self) -> bool:
         """Whether it needs another Step: its length limit is not met by the tokens
         received and those in flight (an EOS or stop string may still end it sooner)."""
-        return len(self.output_ids) + self.in_flight < self.params.max_new_tokens
+        return self.generated + self.in_flight < self.params.max_new_tokens
 
     @property
     def reserved_tokens(self) -> int:
-        """KV tokens this request may grow to; admission reserves them up front."""
-        return len(self.prompt_ids) + self.params.max_new_tokens
+        """KV tokens this request may grow to (every row of a beam search); admission
+        reserves them up front."""
+        return (len(self.prompt_ids) + self.params.max_new_tokens) * self.rows
 
     @property
     def finished(self) -> bool:

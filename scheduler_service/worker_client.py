@@ -16,8 +16,10 @@ import grpc
 from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from scheduler_service.batch_plan import StepPlan
+from scheduler_service.params import DecodingConfig
 from seqserve_common.control_auth import call_metadata
 from seqserve_common.control_channel import GRPC_MESSAGE_OPTIONS
+from seqserve_common.decoding import DecodingStrategy
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,10 @@ class StepToken:
     cached_tokens: int  # prompt tokens whose KV came from the prefix cache (first token)
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    # Beam search: advanced a step and goes on (no token yet); or, when it ended, its
+    # best hypotheses as (token ids, score), best first.
+    beam_running: bool = False
+    beams: tuple[tuple[tuple[int, ...], float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,9 @@ class StepAnswer:
     def from_proto(cls, r: worker_pb2.StepResponse) -> "StepAnswer":
         tokens = [StepToken(t.sequence_id, t.token_id, t.cached_tokens,
                             t.logprob if t.HasField("logprob") else None,
-                            tuple((a.id, a.logprob) for a in t.top_logprobs))
+                            tuple((a.id, a.logprob) for a in t.top_logprobs),
+                            t.beam_running,
+                            tuple((tuple(b.token_ids), b.score) for b in t.beams))
                   for t in r.tokens]
         return cls(r.step_id, tokens, r.worker_seconds, r.regroup_bytes, r.kv_slots,
                    r.kv_tokens, r.prefix_cache_bytes)
@@ -87,10 +95,24 @@ def encode_step(step_id: int, plan: StepPlan) -> worker_pb2.StepRequest:
             params=worker_pb2.SamplingParams(
                 strategy=p.strategy.to_proto(), temperature=p.temperature, top_k=p.top_k,
                 top_p=p.top_p, typical_p=p.typical_p, repetition_penalty=p.repetition_penalty,
-                seed=s.sampling_seed, penalty_alpha=p.penalty_alpha, logprobs=p.logprobs)))
+                seed=s.sampling_seed, penalty_alpha=p.penalty_alpha, logprobs=p.logprobs,
+                beam=_beam_params(p))))
     return worker_pb2.StepRequest(
         step_id=step_id, release=plan.release, prefill=prefill,
         groups=[worker_pb2.Group(sequence_ids=g) for g in plan.groups])
+
+
+_EARLY_STOPPING = {False: worker_pb2.EARLY_STOPPING_FALSE, True: worker_pb2.EARLY_STOPPING_TRUE,
+                   "never": worker_pb2.EARLY_STOPPING_NEVER}
+
+
+def _beam_params(p: DecodingConfig) -> worker_pb2.BeamParams | None:
+    if p.strategy is not DecodingStrategy.BEAM:
+        return None
+    return worker_pb2.BeamParams(
+        num_beams=p.num_beams, length_penalty=p.length_penalty,
+        early_stopping=_EARLY_STOPPING[p.early_stopping],
+        num_return_sequences=p.num_return_sequences, max_new_tokens=p.max_new_tokens)
 
 
 class WorkerUnavailable(RuntimeError):

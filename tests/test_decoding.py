@@ -536,7 +536,7 @@ def test_invalid_parameters_are_rejected_and_server_keeps_serving(server):
             ("penalty_alpha", dict(penalty_alpha=1.5)),
             ("logprobs", dict(logprobs=6)),
             ("logprobs", dict(logprobs=-1)),
-            ("decoding_strategy", dict(decoding_strategy="beam")),
+            ("decoding_strategy", dict(decoding_strategy="beam_search")),
         ]
         for field, params in cases:
             with pytest.raises(grpc.RpcError) as err:

@@ -404,7 +404,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
     ({"prompt": "x", "foo": 1}, "foo", "unknown field"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
-    ({"prompt": "x", "decoding_strategy": "beam"}, "decoding_strategy", "decoding_strategy"),
+    ({"prompt": "x", "decoding_strategy": "beams"}, "decoding_strategy", "decoding_strategy"),
     ({"prompt": _ids(1100), "max_tokens": 1}, "prompt", "context"),
     ({"prompt": "x", "max_tokens": 2000}, "max_tokens", "max_tokens"),
     ({"prompt": [10 ** 6]}, "prompt", "vocabulary"),

@@ -31,7 +31,7 @@ def test_defaults_and_strategy_selection():
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"seed": -1}, "seed"),
     ({"stop": ["a"] * 9}, "stop"), ({"stop": [""]}, "stop"), ({"stop": [1, 2]}, "stop"),
     ({"penalty_alpha": 1.5}, "penalty_alpha"), ({"logprobs": 6}, "logprobs"),
-    ({"decoding_strategy": "beam"}, "decoding_strategy"), ({"do_sample": "yes"}, "do_sample"),
+    ({"decoding_strategy": "beams"}, "decoding_strategy"), ({"do_sample": "yes"}, "do_sample"),
     ({"ignore_eos": 1}, "ignore_eos"), ({"bogus": 1}, "bogus"),
     ({"decoding_strategy": "contrastive", "top_k": 0}, "top_k"),
 ])
