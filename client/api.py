@@ -67,9 +67,9 @@ class Reply:
 
 
 def build_request(prompt: str | Sequence[int], cached_prompt: str = "", request_id: str = "",
-                  **params: Any) -> generate_pb2.GenerateRequest:
+                  priority: int = 0, **params: Any) -> generate_pb2.GenerateRequest:
     """A GenerateRequest for a text prompt or a list of token ids; keyword arguments are
-    DecodingParameters fields (stop: list)."""
+    DecodingParameters fields (stop: list). `priority`: lower is more urgent."""
     stop = params.pop("stop", None)
     if isinstance(params.get("early_stopping"), bool):  # the proto field is a string
         params["early_stopping"] = "true" if params["early_stopping"] else "false"
@@ -77,7 +77,7 @@ def build_request(prompt: str | Sequence[int], cached_prompt: str = "", request_
     if stop:
         dp.stop.extend([stop] if isinstance(stop, str) else stop)
     request = generate_pb2.GenerateRequest(cached_prompt=cached_prompt, parameters=dp,
-                                           request_id=request_id)
+                                           request_id=request_id, priority=priority)
     if isinstance(prompt, str):
         request.inputs = prompt
     else:

@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterator, Protocol
 
-from scheduler_service.sequence import Sequence
+from scheduler_service.sequence import Sequence, Status
 
 
 class QueueFull(Exception):
@@ -24,11 +24,23 @@ def check_room(waiting: int, n: int, max_size: int) -> None:
 
 
 class WaitingQueue:
-    """First come, first served, with at most `max_size` requests."""
+    """Arrival order, with at most `max_size` requests. It also keeps the clock that aging
+    is measured by: the number of Steps sent (`tick`), so a rule in steps holds whatever
+    the speed of the machine."""
 
     def __init__(self, max_size: int):
         self.max_size = max_size
         self._items: deque[Sequence] = deque()
+        self.steps = 0
+
+    def tick(self) -> None:
+        """One more Step was sent."""
+        self.steps += 1
+
+    def waited(self, seq: Sequence) -> int:
+        """Steps `seq` has waited in all, this wait and earlier ones (after preemptions)."""
+        now = self.steps - seq.enqueued_step if seq.status is Status.WAITING else 0
+        return seq.aged_steps + now
 
     def __len__(self) -> int:
         return len(self._items)
@@ -42,24 +54,33 @@ class WaitingQueue:
 
     def push(self, seq: Sequence) -> None:
         self.check_room()
+        seq.enqueued_step = self.steps
         self._items.append(seq)
 
     def push_front(self, seqs: list[Sequence]) -> None:
         """Put re-admitted sequences back at the head, in their original order."""
+        for s in seqs:
+            s.enqueued_step = self.steps
         self._items.extendleft(reversed(seqs))
 
     def peek(self) -> Sequence | None:
         return self._items[0] if self._items else None
 
     def pop(self) -> Sequence:
-        return self._items.popleft()
+        return self._leave(self._items.popleft())
 
     def remove(self, seq: Sequence) -> bool:
         try:
             self._items.remove(seq)
-            return True
         except ValueError:
             return False
+        self._leave(seq)
+        return True
+
+    def _leave(self, seq: Sequence) -> Sequence:
+        seq.aged_steps += self.steps - seq.enqueued_step
+        seq.enqueued_step = self.steps
+        return seq
 
 
 @dataclass(frozen=True)
@@ -75,14 +96,24 @@ class Budget:
 
 
 class AdmissionPolicy(Protocol):
-    """Chooses and removes from `waiting` the sequences that start running now."""
+    """Chooses and removes from `waiting` the sequences that start running now; a
+    preemptive policy (scheduler_service/policies) also names running sequences to stop
+    so that more urgent waiting ones fit. The loop calls `preempt` first, frees the
+    victims' room, then calls `admit`."""
 
     def admit(self, waiting: WaitingQueue, budget: Budget) -> list[Sequence]: ...
+
+    def preempt(self, waiting: WaitingQueue, running: list[Sequence],
+                budget: Budget) -> list[Sequence]: ...
 
 
 class FCFSAdmission:
     """Strict arrival order: stop at the first request that does not fit, so a large
-    request is never starved by smaller ones behind it."""
+    request is never starved by smaller ones behind it. Never preempts."""
+
+    def preempt(self, waiting: WaitingQueue, running: list[Sequence],
+                budget: Budget) -> list[Sequence]:
+        return []
 
     def admit(self, waiting: WaitingQueue, budget: Budget) -> list[Sequence]:
         admitted: list[Sequence] = []

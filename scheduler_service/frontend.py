@@ -18,6 +18,7 @@ from scheduler_service.admission import QueueFull
 from scheduler_service.detokenizer import IncrementalDetokenizer, StopMatcher
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.params import Limits, RequestError, check_text, resolve
+from scheduler_service.policies.priority import check_priority
 from scheduler_service.sequence import FinishEvent, FinishReason, Sequence, TokenEvent
 from scheduler_service.worker_client import WorkerInfo
 from scheduler_service.worker_pool import WorkerPool
@@ -47,6 +48,8 @@ class GenerationRequest:
     cached_prompt: str = ""
     request_id: str = ""
     n: int = 1
+    # Lower is more urgent, as in vLLM (policies/priority.py); checked by check_priority.
+    priority: Any = 0
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ class Frontend:
             if isinstance(request.n, bool) or not isinstance(request.n, int) or not (
                     1 <= request.n <= MAX_CHOICES):
                 raise RequestError(f"n must be an integer in [1, {MAX_CHOICES}], got {request.n!r}")
+            priority = check_priority(request.priority)
             # Refuse what cannot be queued before tokenizing it.
             state.workers.check_room(len(request.prompts) * request.n)
             rid = request.request_id or uuid.uuid4().hex
@@ -95,6 +99,7 @@ class Frontend:
             for i, prompt in enumerate(request.prompts):
                 first = await self._new_sequence(state, prompt, request,
                                                  rid if single else f"{rid}-{len(seqs)}")
+                first.priority = priority
                 seqs.append(first)
                 for choice in range(1, request.n):
                     seqs.append(self._another_choice(state, first, choice, f"{rid}-{len(seqs)}"))
@@ -164,7 +169,7 @@ class Frontend:
             prompt_ids=list(first.prompt_ids), params=first.params,
             detokenizer=IncrementalDetokenizer(state.tokenizer, first.prompt_ids),
             stops=StopMatcher(first.params.stop), sampling_seed=seed,
-            pin_tokens=first.pin_tokens)
+            pin_tokens=first.pin_tokens, priority=first.priority)
 
     async def _prompt_ids(self, state: ServingState, prompt: Prompt, cached_prompt: str
                           ) -> tuple[list[int], int]:

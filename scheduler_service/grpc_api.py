@@ -50,7 +50,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                       else request.inputs)
             seqs = await self.frontend.submit(GenerationRequest(
                 [prompt], _params(request.parameters), request.cached_prompt,
-                request.request_id))
+                request.request_id, priority=request.priority))
         except Unavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except RequestError as exc:

@@ -31,7 +31,7 @@ from scheduler_service.params import RequestError
 from scheduler_service.sequence import FinishEvent, FinishReason, Sequence, TokenEvent
 
 logger = logging.getLogger(__name__)
-_TOP_LEVEL = {"inputs", "parameters", "cached_prompt", "stream", "request_id"}
+_TOP_LEVEL = {"inputs", "parameters", "cached_prompt", "stream", "request_id", "priority"}
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -135,7 +135,9 @@ class InvocationsApp:
         if not isinstance(rid, str):
             return _error(400, f"request_id must be a string, got {type(rid).__name__}")
         try:
-            seqs = await self.frontend.submit(GenerationRequest(batch, params, cached, rid))
+            priority = body.get("priority")
+            seqs = await self.frontend.submit(GenerationRequest(
+                batch, params, cached, rid, priority=0 if priority is None else priority))
         except Unavailable as exc:
             return _error(503, str(exc))
         except RequestError as exc:

@@ -18,10 +18,11 @@ from typing import Callable
 
 import grpc
 
-from scheduler_service.admission import Budget, FCFSAdmission, WaitingQueue
+from scheduler_service.admission import AdmissionPolicy, Budget, FCFSAdmission, WaitingQueue
 from scheduler_service.batch_plan import BatchPlanner, StepPlan
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.output import emit_beams, emit_finish, emit_token
+from scheduler_service.preemption import preempt, take_off_worker
 from scheduler_service.sequence import FinishReason, Sequence, Status
 from scheduler_service.worker_client import (
     StepFailed,
@@ -51,7 +52,8 @@ class _InFlight:
 class IterationLoop:
     def __init__(self, worker: WorkerClient, *, max_rolling_batch_size: int, max_queue: int,
                  max_sparsity: float, max_splits: int, worker_timeout: float,
-                 metrics: SchedulerMetrics, max_prefill_tokens: int, steps_in_flight: int):
+                 metrics: SchedulerMetrics, max_prefill_tokens: int, steps_in_flight: int,
+                 policy: AdmissionPolicy | None = None):  # None: FCFS
         assert worker.info is not None, "connect the worker before starting the loop"
         self.worker = worker
         self.name = worker.address  # the `worker` label of its metrics
@@ -63,7 +65,7 @@ class IterationLoop:
         self.waiting = WaitingQueue(max_queue)
         self.running: dict[int, Sequence] = {}
         self.to_release: list[int] = []
-        self.policy = FCFSAdmission()
+        self.policy = policy or FCFSAdmission()
         self.planner = BatchPlanner(max_sparsity, max_splits)
         self.step_id = 0
         self.admitting = True
@@ -203,12 +205,13 @@ class IterationLoop:
                 return True
             return False
         admitted = self._admit() if self.admitting else []
+        advancing = [s for s in advancing if s.seq_id in self.running]  # less the preempted
         if not advancing and not admitted:
             if not self.running:
-                # The head request cannot fit even an empty batch: it never will.
-                head = self.waiting.pop()
-                self._fail(head, f"request needs {head.reserved_tokens} KV tokens; the "
-                                 f"worker holds {self.kv_budget}")
+                for head in [s for s in self.waiting if s.reserved_tokens > self.kv_budget]:
+                    self.waiting.remove(head)  # it cannot fit even an empty batch: never will
+                    self._fail(head, f"request needs {head.reserved_tokens} KV tokens; the "
+                                     f"worker holds {self.kv_budget}")
             return False  # else wait for the steps in flight to end sequences
         await self._send(self._plan(advancing, admitted))
         return True
@@ -219,7 +222,11 @@ class IterationLoop:
         if self._one_at_a_time > 0:
             slots = min(slots, 1)  # isolate the re-admitted sequences (see _recover)
         budget = Budget(slots, self.kv_budget - reserved, self.max_prefill_tokens)
+        victims, budget = preempt(self.policy, self.waiting, self.running, budget)
+        self.to_release += [s.seq_id for s in victims]
+        self.metrics.preemptions.inc(len(victims))
         admitted = self.policy.admit(self.waiting, budget)
+        self.waiting.push_front(victims)  # released by this Step, prefilled by a later one
         self._one_at_a_time = max(0, self._one_at_a_time - len(admitted))
         now = time.monotonic()
         for s in admitted:
@@ -244,11 +251,13 @@ class IterationLoop:
         plan = self.planner.plan(advancing, admitted, release)
         for s in admitted:
             self.running[s.seq_id] = s
+            s.admitted_step = self.step_id + 1  # the Step _send numbers next
         return plan
 
     async def _send(self, plan: StepPlan) -> None:
         t0 = time.perf_counter()
         self.step_id += 1
+        self.waiting.tick()
         for members in plan.groups:
             for sid in members:
                 self.running[sid].in_flight += 1
@@ -268,7 +277,7 @@ class IterationLoop:
                                          f"step {step.step_id} was due")
         self._inflight.popleft()
         for tok in answer.tokens:
-            self._on_token(tok)
+            self._on_token(tok, answer.step_id)
         t3 = time.perf_counter()
         # The loop's wait for this answer, from when it could first have come (the step was
         # sent, and the one before it answered); what the worker did not spend is the RPC.
@@ -286,10 +295,10 @@ class IterationLoop:
 
     # --- tokens and endings -----------------------------------------------------------------
 
-    def _on_token(self, tok: StepToken) -> None:
+    def _on_token(self, tok: StepToken, step_id: int) -> None:
         seq = self.running.get(tok.seq_id)
-        if seq is None:
-            return  # ended (cancelled, EOS, stop string) while this step was in flight
+        if seq is None or step_id < seq.admitted_step:
+            return  # ended while this step was in flight, or from a preempted run
         seq.in_flight -= 1
         now = time.monotonic()
         self.metrics.observe_token(seq, tok, now)
@@ -341,8 +350,7 @@ class IterationLoop:
         self._set_worker_up(False)
         self._close_stream()  # the Steps sent after the failed one are void
         readmit = list(self.running.values())
-        for s in readmit:
-            s.in_flight, s.released, s.beam_steps = 0, False, 0  # beams start again
+        take_off_worker(readmit)
         self.running.clear()
         self.to_release.clear()
         self.planner.forget()
@@ -351,21 +359,16 @@ class IterationLoop:
         # forever, starving everyone else. So the re-admitted sequences are prefilled one
         # per Step, and the culprit, failing alone MAX_STEP_FAILURES times in a row with no
         # token in between, is failed instead of re-admitted.
-        poisoned = []
         for s in readmit:
-            if s.seq_id not in suspects:
-                continue
-            n = self._step_failures.get(s.seq_id, 0) + 1
-            self._step_failures[s.seq_id] = n
-            if n >= MAX_STEP_FAILURES:
-                poisoned.append(s)
+            if s.seq_id in suspects:
+                self._step_failures[s.seq_id] = self._step_failures.get(s.seq_id, 0) + 1
+        poisoned = [s for s in readmit
+                    if self._step_failures.get(s.seq_id, 0) >= MAX_STEP_FAILURES]
         gone = {s.seq_id for s in poisoned}
         readmit = [s for s in readmit if s.seq_id not in gone]
         for s in poisoned:
             self._fail(s, f"generation failed: the worker failed {MAX_STEP_FAILURES} steps in a "
                           f"row with this request ({exc.code}: {exc.details})")
-        for s in readmit:
-            s.status = Status.WAITING
         self.waiting.push_front(readmit)
         self._one_at_a_time = len(readmit)
         try:

@@ -88,6 +88,9 @@ class SchedulerMetrics:
         self.worker_kv_used = Gauge("seqserve_worker_kv_budget_used_ratio",
                                     "Share of the worker's KV token budget reserved by its "
                                     "running requests", ["worker"], registry=r)
+        self.preemptions = Counter("seqserve_num_preemptions_total",
+                                   "Running sequences preempted for more urgent ones (their KV "
+                                   "dropped, recomputed at re-admission)", registry=r)
         self.placed = Counter("seqserve_requests_placed_total",
                               "Requests placed on each worker (moves after a failure count "
                               "again)", ["worker"], registry=r)

@@ -230,7 +230,7 @@ class OpenAIApp:
         rid = uuid.uuid4().hex
         try:
             return rid, await self.frontend.submit(
-                GenerationRequest(prompts, params, cached_prompt, rid, req.n))
+                GenerationRequest(prompts, params, cached_prompt, rid, req.n, req.priority))
         except Unavailable as exc:
             raise ApiError(503, str(exc)) from None
         except QueueFull as exc:
@@ -363,7 +363,8 @@ def _request_error(exc: RequestError, limit_field: str, prompt_field: str) -> Ap
     first = message.split(" ", 1)[0].rstrip(":,")
     known = {limit_field, "temperature", "top_p", "top_k", "typical_p", "repetition_penalty",
              "seed", "stop", "ignore_eos", "penalty_alpha", "decoding_strategy", "logprobs",
-             "n", "cached_prompt", "num_beams", "length_penalty", "early_stopping"}
+             "n", "cached_prompt", "num_beams", "length_penalty", "early_stopping",
+             "priority"}
     if "plus max_new_tokens" in str(exc):  # prompt and limit together do not fit
         param = limit_field
     elif first in known:

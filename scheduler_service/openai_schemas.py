@@ -21,7 +21,8 @@ from scheduler_service.params import MAX_LOGPROBS
 # seqserve's parameters a body may carry beside OpenAI's (the extras vLLM-style clients send
 # with `extra_body`).
 SEQSERVE_EXTRAS = ("top_k", "penalty_alpha", "decoding_strategy", "repetition_penalty",
-                   "ignore_eos", "typical_p", "num_beams", "length_penalty", "early_stopping")
+                   "ignore_eos", "typical_p", "num_beams", "length_penalty", "early_stopping",
+                   "priority")
 ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -119,6 +120,8 @@ class _Common(_Strict):
     num_beams: int | None = None
     length_penalty: float | None = None
     early_stopping: bool | str | None = None
+    # vLLM's extra parameter: lower is more urgent (option.scheduling_policy=priority).
+    priority: int = 0
 
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod

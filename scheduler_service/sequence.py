@@ -84,6 +84,14 @@ class Sequence:
     # then the hypotheses it returned.
     beam_steps: int = 0
     hypotheses: list[Hypothesis] | None = None
+    # Scheduling (scheduler_service/policies): lower is more urgent, as in vLLM.
+    priority: int = 0
+    aged_steps: int = 0  # Steps spent waiting before the current wait (aging credit)
+    enqueued_step: int = 0  # the waiting queue's clock when the current wait began
+    # Id of the Step that (re)prefilled it: tokens of earlier Steps belong to a run that
+    # was preempted and are dropped.
+    admitted_step: int = 0
+    preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None
     first_token_time: float | None = None

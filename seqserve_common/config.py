@@ -87,6 +87,8 @@ def _addresses(text: str) -> tuple[str, ...]:
     return items
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority", "mlfq")
+
 OPTIONS: tuple[Option, ...] = (
     Option("engine", str, "any engine name (kept for DJL compatibility)",
            help="DJL engine name; seqserve runs its own engine whatever it says"),
@@ -146,6 +148,21 @@ OPTIONS: tuple[Option, ...] = (
     Option("steps_in_flight", int, "an integer >= 1", lambda v: v >= 1,
            "Steps sent to the worker before the oldest is answered (1: each waits for the "
            "previous one's tokens)"),
+    Option("scheduling_policy", _choice(*SCHEDULING_POLICIES), ", ".join(SCHEDULING_POLICIES),
+           help="which waiting request runs next: fcfs (arrival order), priority (the "
+                "request's priority, preempting less urgent work), mlfq (FastServe's "
+                "skip-join multi-level feedback queue); docs/scheduling.md"),
+    Option("priority_aging_steps", int, "an integer >= 1", lambda v: v >= 1,
+           "priority and mlfq: a waiting request gains one level of urgency per this many "
+           "Steps waited, so none starves"),
+    Option("mlfq_levels", int, "an integer in [1, 16]", lambda v: 1 <= v <= 16,
+           "mlfq: number of queues"),
+    Option("mlfq_quantum_steps", int, "an integer >= 1", lambda v: v >= 1,
+           "mlfq: decoding Steps a job runs in the first queue before demotion (doubling "
+           "per queue)"),
+    Option("mlfq_prefill_tokens_per_step", int, "an integer >= 1", lambda v: v >= 1,
+           "mlfq: prompt tokens whose prefill costs about one decoding Step (skip-join "
+           "places a job by its prefill cost)"),
     Option("max_queue", int, "an integer >= 0", lambda v: v >= 0,
            "waiting requests at most; past it requests get RESOURCE_EXHAUSTED"),
     Option("max_new_tokens_limit", int, "an integer >= 1", lambda v: v >= 1,
@@ -222,6 +239,11 @@ class ServingConfig:
     worker_addresses: tuple[str, ...] = ("127.0.0.1:8100",)
     max_prefill_tokens: int = 4096
     steps_in_flight: int = 2
+    scheduling_policy: str = "fcfs"
+    priority_aging_steps: int = 64
+    mlfq_levels: int = 4
+    mlfq_quantum_steps: int = 8
+    mlfq_prefill_tokens_per_step: int = 128
     max_queue: int = 1024
     max_new_tokens_limit: int = 4096
     default_max_new_tokens: int = 64

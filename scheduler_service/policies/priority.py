@@ -1,0 +1,50 @@
+"""Policy `priority`: the most urgent request first, preempting less urgent work.
+
+Priority is vLLM's: an integer, lower is more urgent, default 0, here within
+[PRIORITY_MIN, PRIORITY_MAX]. Aging prevents starvation: a sequence's effective priority
+is its priority minus one for every `aging_steps` Steps it has spent waiting (counted over
+all its waits, also after preemptions, and kept while it runs). Ties go to the earlier
+arrival. So a request of priority p waits at most (p - PRIORITY_MIN) * aging_steps Steps
+(plus the time for room to free up) before it comes first among later arrivals, however
+urgent, and after (p - PRIORITY_MIN + 1) * aging_steps it preempts them too. A running
+sequence is preempted only by a strictly more urgent one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scheduler_service.admission import WaitingQueue
+from scheduler_service.params import RequestError
+from scheduler_service.policies.ranked import RankedAdmission
+from scheduler_service.sequence import Sequence
+
+PRIORITY_MIN = -100
+PRIORITY_MAX = 100
+
+
+def check_priority(value: Any) -> int:
+    """A request's priority, or RequestError naming the field and the allowed range."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise RequestError(f"priority must be an integer in [{PRIORITY_MIN}, "
+                               f"{PRIORITY_MAX}] (lower is more urgent), got {value!r}")
+    if not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        raise RequestError(f"priority must be in [{PRIORITY_MIN}, {PRIORITY_MAX}] (lower is "
+                           f"more urgent, default 0), got {value}")
+    return value
+
+
+def effective_priority(seq: Sequence, waiting: WaitingQueue, aging_steps: int) -> int:
+    """The priority after aging: one level more urgent per `aging_steps` Steps waited."""
+    return seq.priority - waiting.waited(seq) // aging_steps
+
+
+class PriorityAdmission(RankedAdmission):
+    def __init__(self, aging_steps: int):
+        if aging_steps < 1:
+            raise ValueError(f"aging_steps must be >= 1, got {aging_steps}")
+        self.aging_steps = aging_steps
+        super().__init__(lambda s, w: effective_priority(s, w, aging_steps))
