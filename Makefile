@@ -23,7 +23,7 @@ OPENAI_PORT ?= $(shell expr $(PORT) + 81)
 METRICS_PORT ?= $(shell expr $(PORT) + 1)
 WORKER_METRICS_PORT ?= $(shell expr $(WORKER_PORT) + 1)
 
-.PHONY: install run test test-slow soak bench bench-peers proto check-proto model \
+.PHONY: install run test test-slow soak bench bench-quick bench-figures bench-peers proto check-proto model \
 	default-model tiny-model clean
 
 $(STAMP): pyproject.toml
@@ -88,10 +88,21 @@ proto: $(STAMP)
 check-proto: $(STAMP)
 	$(PY) -m pytest -q tests/test_protos.py
 
-# Every benchmark (throughput vs HF static batches, the sparsity/splits sweep, partition
-# timing, prefix cache, peers and ceiling); results land in bench-results/, figures in docs/.
-# The vLLM peer runs only where `make bench-peers` has set it up.
-bench: $(STAMP)
+# The benchmark matrix: seqserve against vLLM and the HF baselines on three models (mid
+# fixture, SmolLM2-135M, a Qwen2-style grouped-query fixture) x three traces (Azure
+# conversation and code, Mooncake), all at once and at Poisson rates past the knee, with each
+# run's floor; one ratio table in bench-results/matrix.md. The vLLM peer runs only where
+# `make bench-peers` has set it up. `make bench-quick`: the same path in a few minutes (tiny
+# model, 4 requests a trace). `make bench-figures`: every other figure of docs/benchmarks.md
+# (throughput vs HF static batches, sparsity/splits sweep, partition timing, prefix cache,
+# peers and ceiling, the mid model's Poisson sweep).
+bench: $(STAMP) default-model
+	$(PY) -m bench matrix --out bench-results --goodput-ttft-ms 2000 --goodput-tpot-ms 200
+
+bench-quick: $(STAMP)
+	$(PY) -m bench matrix --quick --out bench-results/quick
+
+bench-figures: $(STAMP)
 	$(PY) -m bench all --out bench-results --goodput-ttft-ms 2000 --goodput-tpot-ms 200
 
 # Optional: vLLM's CPU build in its own venv for the vLLM peer (never part of `make test`).

@@ -12,7 +12,8 @@ from bench.commands.sweep import SWEEP_SPARSITIES, SWEEP_SPLITS
 from bench.peer_systems import PEERS
 from bench.workload import ARRIVALS, WORKLOADS
 
-COMMANDS = ("throughput", "sweep", "partition", "prefix", "serve", "peers", "ceiling", "all")
+COMMANDS = ("throughput", "sweep", "partition", "prefix", "serve", "peers", "ceiling", "matrix",
+            "all")
 
 
 def _floats(text: str) -> list[float]:
@@ -21,6 +22,10 @@ def _floats(text: str) -> list[float]:
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def _rates(text: str) -> list[float]:
@@ -182,6 +187,23 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     ce.add_argument("--prefill-batch", type=int, default=None,
                     help="prompts per prefill forward (default: batch, <= 4096 tokens)")
     ce.add_argument("--repeats", type=int, default=7, help="timed repeats; the fastest counts")
+    mx = sub.add_parser("matrix", parents=[common, srv, hf, slo, prs],
+                        help="seqserve vs vLLM and HF on models x traces x Poisson rates, "
+                             "with the floor (make bench)")
+    g = mx.add_argument_group("matrix")
+    g.add_argument("--models", type=_list, default=None,
+                   help="comma-separated: mid, smollm2, qwen2-gqa, tiny or model directories "
+                        "(mid,smollm2,qwen2-gqa; tiny with --quick)")
+    g.add_argument("--traces", type=_list, default=["azure-conv", "azure-code", "mooncake"],
+                   help="comma-separated workloads (azure-conv,azure-code,mooncake)")
+    g.add_argument("--rate-fractions", type=_floats, default=None,
+                   help="Poisson rates as fractions of seqserve's all-at-once request rate "
+                        "(0.5,0.75,0.9,1.1; 0.5,1.1 with --quick)")
+    g.add_argument("--no-floor", action="store_true",
+                   help="skip the GEMM and bandwidth measurement and the floor column")
+    g.add_argument("--quick", action="store_true",
+                   help="smoke run: tiny model, 4 requests of at most 64 + 8 tokens a trace, "
+                        "two rates, a short GEMM grid")
     sub.add_parser("all", parents=[common, srv, hf, slo, prs, load, swp, prt, pfx],
                    help="every figure: peers, sweep, partition, prefix, Poisson sweep")
     return parser

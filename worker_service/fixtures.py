@@ -53,6 +53,10 @@ SIZES = {
     # About 80 M parameters: the benchmark model (docs/benchmarks.md; Llama, 768 x 8 layers).
     "mid": ModelSize(hidden=768, layers=8, heads=12, kv_heads=12, intermediate=3072, vocab=4000,
                      max_positions=2048, init_std=0.02),
+    # A grouped-query shape beside the mid one (docs/benchmarks.md's matrix): Qwen2-style,
+    # 16 query heads over 4 key/value heads of 64, about 190 M parameters.
+    "gqa": ModelSize(hidden=1024, layers=16, heads=16, kv_heads=4, intermediate=2816,
+                     vocab=4000, max_positions=2048, init_std=0.02),
     # The architecture sweep (tests/test_architectures.py): sizes no kernel is tuned for
     # (head size 12), grouped heads (6 query heads over 2 key/value heads; multi-query where
     # an architecture has it) and a short sliding window.

@@ -1,0 +1,208 @@
+"""`python -m bench matrix`: seqserve against vLLM (and the HF baselines) on every model x
+trace, all at once and at Poisson rates up to past the knee, with each run's floor; one
+ratio table (`make bench`).
+
+Per model, in this order, so nothing else computes while a system is measured:
+1. the machine's rates at the model's shapes (bench/machine_rates.py; the memory bandwidth
+   once per command);
+2. one seqserve deployment: for each trace, all requests at once, then Poisson points at
+   --rate-fractions of that run's request rate (each point with prompts of its own seed, so
+   no point is served from a cache an earlier one filled; one arrival seed for all points);
+3. one vLLM subprocess (AsyncLLM, streaming) running the same points on the same token ids;
+4. the HF baselines (static batches, transformers continuous batching) in process, all at
+   once only;
+5. every point's floor (bench/floor.py), from its token ids and arrival times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+from pathlib import Path
+
+from bench.commands.common import (prepare, selected_peers, server_options, slo_limits,
+                                   vllm_kwargs, without_per_request)
+from bench.commands.serve import knee, realized_rate
+from bench.env import environment
+from bench.floor import ModelShape, run_floor
+from bench.loadgen import SeqserveTarget
+from bench.machine_rates import M_GRID, QUICK_M_GRID, measure_bandwidth, measure_model
+from bench.matrix_models import MATRIX_MODELS, resolve_model
+from bench.matrix_report import matrix_markdown
+from bench.peer_systems import bench_hf, bench_hf_cb, run_vllm, vllm_summary
+from bench.report import write
+from bench.workload import WORKLOADS, arrivals, build_workload_requests, load_workload, Scale
+
+logger = logging.getLogger("seqserve.bench")
+
+MATRIX_TRACES = ("azure-conv", "azure-code", "mooncake")
+MATRIX_FRACTIONS = (0.5, 0.75, 0.9, 1.1)
+QUICK = {"models": ("tiny",), "fractions": (0.5, 1.1), "num_requests": 4, "max_prompt": 64,
+         "max_output": 8}
+
+
+def uptime() -> str:
+    """`uptime`'s line (the load averages a reader checks first); '' where it is missing."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def apply_quick(args) -> None:
+    """--quick: a smoke run of the whole path: the tiny model, 4 short requests a trace,
+    two rates, a short GEMM grid (each is still overridable upward by hand)."""
+    if not args.quick:
+        return
+    args.models = args.models or list(QUICK["models"])
+    args.rate_fractions = args.rate_fractions or list(QUICK["fractions"])
+    args.num_requests = min(args.num_requests, QUICK["num_requests"])
+    args.max_prompt = min(args.max_prompt, QUICK["max_prompt"])
+    args.max_output = min(args.max_output or QUICK["max_output"], QUICK["max_output"])
+    args.mooncake_block = min(args.mooncake_block, 8)
+
+
+def _run_seqserve(args, model_dir: Path, traces: dict, slo) -> None:
+    """One deployment: every trace all at once, then its Poisson points."""
+    tokenizer = next(iter(traces.values()))["tokenizer"]
+    target = SeqserveTarget(model_dir, tokenizer, logdir=Path(args.out) / "logs" / "matrix",
+                            dtype=next(iter(traces.values()))["meta"]["dtype"], device=args.device, max_sparsity=args.max_sparsity,
+                            max_splits=args.max_splits,
+                            max_rolling_batch_size=args.max_rolling_batch_size,
+                            server_options=server_options(args))
+    with target:
+        for name, t in traces.items():
+            cap = target.run(t["requests"], slo=slo)
+            base = cap["request_throughput"]
+            t["offline_request_rate"] = base
+            t["points"] = [{"label": "all at once", "rate": None, "requests": t["requests"],
+                            "offsets": [0.0] * len(t["requests"]), "seqserve": cap}]
+            for i, fr in enumerate(args.rate_fractions):
+                rate = round(base * fr, 3)
+                reqs = build_workload_requests(tokenizer, name, t["items"], args.seed + 1 + i,
+                                               args.mooncake_block)
+                offs = arrivals("poisson", t["items"], rate=rate, seed=args.seed)
+                logger.info("matrix: seqserve %s, %s, Poisson %g requests/s (%g x offline)",
+                            model_dir.name, name, rate, fr)
+                t["points"].append({"label": f"Poisson {rate:g}/s ({fr:g}x)", "rate": rate,
+                                    "fraction": fr, "requests": reqs, "offsets": offs,
+                                    "realized_rate": realized_rate(offs),
+                                    "seqserve": target.run(reqs, offs, None, slo)})
+
+
+def _run_vllm(args, model_dir: Path, traces: dict, slo) -> str | None:
+    """Every point of every trace in one vLLM subprocess; returns why it was skipped."""
+    flat = [(name, p) for name, t in traces.items() for p in t["points"]]
+    raw = run_vllm(model_dir, [{"name": f"{name} {p['label']}", "requests": p["requests"],
+                                "arrivals": p["offsets"]} for name, p in flat],
+                   mode="serve", workdir=Path(args.out) / "logs" / "matrix" / model_dir.name,
+                   **vllm_kwargs(args))
+    if "skipped" in raw:
+        return raw["skipped"]
+    for i, (_, p) in enumerate(flat):
+        p["vllm"] = vllm_summary(raw, i, p["requests"], slo)
+    return None
+
+
+def _run_hf(args, model_dir: Path, traces: dict, peers: list[str], slo) -> None:
+    for name, t in traces.items():
+        p = t["points"][0]
+        if "hf" in peers:
+            p["hf"] = bench_hf(model_dir, t["requests"], batch_size=args.hf_batch_size,
+                               threads=args.hf_threads, device=args.device)
+        if "hf-cb" in peers:
+            try:
+                p["hf-cb"] = bench_hf_cb(model_dir, t["requests"], threads=args.hf_threads,
+                                         device=args.device, slo=slo)
+            except Exception as exc:  # noqa: BLE001 - a peer's failure is reported, not fatal
+                logger.exception("transformers continuous batching failed on %s", name)
+                p["hf-cb"] = {"skipped": f"transformers continuous batching failed: {exc!r}"}
+
+
+def _cell(model: str, model_dir: Path, name: str, t: dict, floor_of) -> dict:
+    points = []
+    for p in t["points"]:
+        floor = floor_of(p)
+        out = {"label": p["label"], "rate": p["rate"], "fraction": p.get("fraction"),
+               "realized_rate": p.get("realized_rate"), "arrival_span_s": max(p["offsets"]),
+               "floor": floor.as_dict() if floor else None}
+        for system in ("seqserve", "vllm", "hf", "hf-cb"):
+            if system in p:
+                out[system] = without_per_request(p[system])
+                out[f"{system}_per_request"] = p[system].get("per_request")
+        points.append(out)
+    curves = {s: [{"rate": p["rate"], "arrival_span_s": p["arrival_span_s"],
+                   "summary": p[s]} for p in points[1:] if s in p] for s in ("seqserve", "vllm")}
+    return {"model": model, "model_dir": str(model_dir), "trace": name,
+            "workload": t["meta"], "offline_request_rate": t.get("offline_request_rate"),
+            "knee": {"seqserve": knee(curves["seqserve"]),
+                     "vllm": knee(curves["vllm"]) if curves["vllm"] else None,
+                     "vllm_ran": bool(curves["vllm"])},
+            "points": points}
+
+
+def run_model(args, model: str, bandwidth: dict, known, peers: list[str], slo):
+    """Every trace of one model: returns (cells, its machine rates, why vLLM was skipped)."""
+    model_dir = resolve_model(model)
+    margs = argparse.Namespace(**{**vars(args), "model": model_dir})
+    traces: dict[str, dict] = {}
+    for name in args.traces:
+        model_dir, requests, tokenizer, meta = prepare(margs, name)
+        items = load_workload(name, args.num_requests, Scale(**meta["scale"]))
+        traces[name] = {"requests": requests, "tokenizer": tokenizer, "meta": meta,
+                        "items": items}
+    shape = ModelShape.from_config(json.loads((model_dir / "config.json").read_text()))
+    rates = None if args.no_floor else measure_model(
+        shape, ms=QUICK_M_GRID if args.quick else M_GRID, bandwidth=bandwidth, known=known,
+        threads=args.hf_threads)
+    _run_seqserve(args, model_dir, traces, slo)
+    skipped = _run_vllm(args, model_dir, traces, slo) if "vllm" in peers else None
+    _run_hf(args, model_dir, traces, peers, slo)
+
+    def floor_of(p: dict):
+        if rates is None:
+            return None
+        return run_floor(shape, rates, [r.prompt_ids for r in p["requests"]],
+                         [r.output_len for r in p["requests"]], p["offsets"],
+                         args.max_rolling_batch_size)
+
+    cells = [_cell(model, model_dir, name, t, floor_of) for name, t in traces.items()]
+    return cells, rates, skipped, shape
+
+
+def run(args) -> dict:
+    apply_quick(args)
+    args.models = args.models or list(MATRIX_MODELS)
+    args.rate_fractions = args.rate_fractions or list(MATRIX_FRACTIONS)
+    bad = set(args.traces) - set(WORKLOADS)
+    if bad:
+        raise SystemExit(f"unknown trace(s) {sorted(bad)}; choose from {sorted(WORKLOADS)}")
+    env, start = environment(), uptime()
+    slo, peers = slo_limits(args), selected_peers(args)
+    logger.info("matrix: models %s, traces %s, rate fractions %s, peers %s; %s", args.models,
+                args.traces, args.rate_fractions, peers, start)
+    bandwidth = None if args.no_floor else measure_bandwidth(64 if args.quick else 256)
+    cells, skipped, rates, names = [], {}, None, {}
+    for model in args.models:
+        c, rates, why, shape = run_model(args, model, bandwidth, rates, peers, slo)
+        cells += c
+        names.update({g.key: g.name for g in shape.gemms()})
+        if why:
+            skipped[f"vLLM on {model}"] = why
+    scales = {c["trace"]: c["workload"]["scale_text"] for c in cells}
+    result = {"benchmark": "matrix", "commit": env.get("git", "unknown"), "env": env,
+              "cores": env["cores"], "uptime_start": start, "uptime_end": uptime(),
+              "num_requests": args.num_requests, "scales": scales,
+              "rate_fractions": args.rate_fractions, "models": args.models,
+              "traces": args.traces, "peers": peers, "vllm_skipped": skipped, "cells": cells}
+    if rates is not None:
+        result["machine"] = {"gemm": rates.gemm, "names": names, "bandwidth": rates.bandwidth,
+                             "memory": rates.detail["memory"], "threads": rates.detail["threads"],
+                             "detail": rates.detail}
+    md = matrix_markdown(result)
+    write(Path(args.out), "matrix", result, md)
+    print(md, flush=True)
+    return result
