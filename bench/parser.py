@@ -94,6 +94,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                    help="comma-separated peers: hf, hf-cb, vllm, or none (all three); the "
                         "serve command runs vllm only")
     g.add_argument("--no-ceiling", action="store_true", help="skip the forward-pass ceiling")
+    g.add_argument("--no-floor", action="store_true",
+                   help="peers, matrix: skip the floor (bench/floor.py: measured bf16 GEMM rate "
+                        "and memory bandwidth)")
     g.add_argument("--profile", action="store_true",
                    help="peers: after seqserve's measured run, sample the worker and scheduler "
                         "with py-spy during a second run (collapsed stacks in OUT/profile/, "
@@ -199,8 +202,6 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     g.add_argument("--rate-fractions", type=_floats, default=None,
                    help="Poisson rates as fractions of seqserve's all-at-once request rate "
                         "(0.5,0.75,0.9,1.1; 0.5,1.1 with --quick)")
-    g.add_argument("--no-floor", action="store_true",
-                   help="skip the GEMM and bandwidth measurement and the floor column")
     g.add_argument("--quick", action="store_true",
                    help="smoke run: tiny model, 4 requests of at most 64 + 8 tokens a trace, "
                         "two rates, a short GEMM grid")

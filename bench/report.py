@@ -212,6 +212,16 @@ def peers_markdown(result: dict) -> str:
         g = seq["goodput"]
         parts.append(f"seqserve goodput ({g['slo']}): {g['request_goodput']:.2f} requests/s, "
                      f"{100 * g['good_fraction']:.0f}% of requests.")
+    if "floor" in result:
+        fl = result["floor"]
+        shares = ", ".join(f"{'seqserve' if k == 'seqserve' else PEER_NAMES[k]} "
+                           f"{100 * v:.0f}%" for k, v in fl["fraction"].items())
+        parts.append(
+            f"**Floor** (bench/floor.py: the linear layers at this machine's measured bf16 GEMM "
+            f"rate plus weights and KV at its measured bandwidth "
+            f"{fl['bandwidth'] / 1e9:.1f} GB/s, over {fl['steps']} ideal steps): "
+            f"{fl['duration_s']:.2f} s, {fl['output_throughput']:.1f} output tokens/s. "
+            f"**Fraction of the floor: {shares}.**")
     if "ceiling" in result:
         c = result["ceiling"]
         fw = c["forward"]

@@ -270,3 +270,5 @@ def test_serve_prefix_and_peers_end_to_end(tmp_path):
     want = peers["seqserve"]["output_tokens"]
     assert peers["peers"]["hf"]["output_tokens"] == peers["peers"]["hf-cb"]["output_tokens"] == want
     assert 0 < peers["ceiling"]["fraction_of_ceiling"]
+    assert peers["floor"]["output_tokens"] == want
+    assert set(peers["floor"]["fraction"]) == {"seqserve", "hf", "hf-cb"}

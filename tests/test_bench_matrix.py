@@ -175,3 +175,25 @@ def test_knee_table_and_markdown_carry_commit_load_and_skips():
                  "hf-cb on mid / azure-conv: failed", "| qkv 64x256 | 2 | 16 |",
                  "20.0 GB/s"):
         assert text in md, text
+
+
+def test_peers_report_sets_each_system_against_the_floor():
+    from bench.report import peers_markdown
+
+    meta = {"trace_name": "Azure conv", "num_requests": 4, "arrival": "all at once",
+            "scale_text": "x0.25", "prompt": {"sum": 40, "mean": 10, "max": 12},
+            "output": {"sum": 8, "mean": 2, "max": 3}, "model": "m", "dtype": "bfloat16",
+            "env": {"cores": 2, "load_average": [0.1]}, "seed": 0}
+    seq = {**_summary(500.0, 2.0, 100, 20), "output_tokens": 1000,
+           "tpot": {"mean_ms": 1, "median_ms": 1, "p99_ms": 1},
+           "e2e": {"mean_ms": 1, "median_ms": 1, "p99_ms": 1}}
+    for k in ("ttft", "itl"):
+        seq[k]["mean_ms"] = 1
+    result = {"workload": meta, "seqserve": seq, "ratios": {"vllm": 2.0},
+              "peers": {"vllm": {"duration_s": 4.0, "output_tokens": 1000,
+                                 "output_throughput": 250.0}},
+              "floor": {"duration_s": 1.0, "output_throughput": 1000.0, "steps": 3,
+                        "bandwidth": 2e10, "fraction": {"seqserve": 0.5, "vllm": 0.25}}}
+    md = peers_markdown(result)
+    assert "Fraction of the floor: seqserve 50%, vLLM CPU 25%" in md
+    assert "20.0 GB/s" in md

@@ -142,3 +142,21 @@ def vllm_kwargs(args) -> dict:
 
 def without_per_request(summary: dict) -> dict:
     return {k: v for k, v in summary.items() if k != "per_request"}
+
+
+def offline_floor(args, model_dir: Path, requests: Sequence[BenchRequest]) -> dict | None:
+    """The floor of `requests` all at once (bench/floor.py), rates measured here and now
+    (no server may run meanwhile); None with --no-floor."""
+    if getattr(args, "no_floor", False):
+        return None
+    import json
+
+    from bench.floor import ModelShape, run_floor
+    from bench.machine_rates import measure_model
+
+    shape = ModelShape.from_config(json.loads((Path(model_dir) / "config.json").read_text()))
+    rates = measure_model(shape, threads=getattr(args, "hf_threads", None))
+    run = run_floor(shape, rates, [r.prompt_ids for r in requests],
+                    [r.output_len for r in requests], None, args.max_rolling_batch_size)
+    return {**run.as_dict(), "bandwidth": rates.bandwidth,
+            "gemm_gflops": {k: [(m, r / 1e9) for m, r in pts] for k, pts in rates.gemm.items()}}

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from bench.plots import plot_cdfs
 from bench.ceiling import run_ceiling
-from bench.commands.common import (logger, prepare, run_seqserve_offline, selected_peers,
-                                   slo_limits, vllm_kwargs)
+from bench.commands.common import (logger, offline_floor, prepare, run_seqserve_offline,
+                                   selected_peers, slo_limits, vllm_kwargs)
 from bench.commands.throughput import throughput_report
 from bench.peer_systems import PEER_NAMES, bench_hf, bench_hf_cb, run_vllm, vllm_summary
 from bench.report import peers_markdown, ratio, write
@@ -43,6 +43,11 @@ def run(args, prepared=None) -> dict:
         result["ceiling"] = run_ceiling(model_dir, requests, seq["server"]["mean_batch_size"],
                                         seq["output_throughput"], device=args.device,
                                         threads=args.hf_threads)
+    floor = offline_floor(args, model_dir, requests)
+    if floor:
+        result["floor"] = {**floor, "fraction": {
+            name: ratio(floor["duration_s"], s.get("duration_s"))
+            for name, s in {"seqserve": seq, **systems}.items() if "skipped" not in s}}
     result["ratios"] = {name: ratio(seq["output_throughput"], s.get("output_throughput"))
                         for name, s in systems.items()}
     md = peers_markdown(result)
