@@ -204,7 +204,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                         "(0.5,0.75,0.9,1.1; 0.5,1.1 with --quick)")
     g.add_argument("--quick", action="store_true",
                    help="smoke run: tiny model, 4 requests of at most 64 + 8 tokens a trace, "
-                        "two rates, a short GEMM grid")
+                        "two rates, a short GEMM grid, small KV memory")
     sub.add_parser("all", parents=[common, srv, hf, slo, prs, load, swp, prt, pfx],
                    help="every figure: peers, sweep, partition, prefix, Poisson sweep")
     return parser

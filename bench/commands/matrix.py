@@ -40,7 +40,7 @@ logger = logging.getLogger("seqserve.bench")
 MATRIX_TRACES = ("azure-conv", "azure-code", "mooncake")
 MATRIX_FRACTIONS = (0.5, 0.75, 0.9, 1.1)
 QUICK = {"models": ("tiny",), "fractions": (0.5, 1.1), "num_requests": 4, "max_prompt": 64,
-         "max_output": 8}
+         "max_output": 8, "kv_cache_bytes": 256 << 20, "vllm_kv_gib": 1}
 
 
 def uptime() -> str:
@@ -54,7 +54,8 @@ def uptime() -> str:
 
 def apply_quick(args) -> None:
     """--quick: a smoke run of the whole path: the tiny model, 4 short requests a trace,
-    two rates, a short GEMM grid (each is still overridable upward by hand)."""
+    two rates, a short GEMM grid, and KV memory of 256 MiB for seqserve and 1 GiB for vLLM
+    (a smoke run shares its machine; 4 GiB each would not fit beside other jobs)."""
     if not args.quick:
         return
     args.models = args.models or list(QUICK["models"])
@@ -63,6 +64,11 @@ def apply_quick(args) -> None:
     args.max_prompt = min(args.max_prompt, QUICK["max_prompt"])
     args.max_output = min(args.max_output or QUICK["max_output"], QUICK["max_output"])
     args.mooncake_block = min(args.mooncake_block, 8)
+    options = list(args.server_option or [])
+    if not any(o.split("=")[0].strip().replace("-", "_") == "kv_cache_bytes" for o in options):
+        options.append(f"kv_cache_bytes={QUICK['kv_cache_bytes']}")
+    args.server_option = options
+    args.vllm_kv_gib = min(args.vllm_kv_gib, QUICK["vllm_kv_gib"])
 
 
 def _run_seqserve(args, model_dir: Path, traces: dict, slo) -> None:
