@@ -100,8 +100,9 @@ OPTIONS: tuple[Option, ...] = (
            help="where the worker keeps a .gguf model converted once (dequantized, "
                 "save_pretrained) to load it faster afterwards; relative to the working "
                 "directory"),
-    Option("tensor_parallel_degree", int, "1 (one worker per accelerator)",
-           lambda v: v == 1, "tensor parallelism per worker (only 1)"),
+    Option("tensor_parallel_degree", int, "an integer >= 1",
+           lambda v: v >= 1, "ranks in the worker's tensor-parallel group (1: none); the "
+           "worker starts the other ranks itself unless torchrun did (docs/deployment.md)"),
     Option("dtype", _dtype, "fp32, bf16, fp16 (or float32, bfloat16, float16, auto)",
            help="weights dtype; auto: the checkpoint's own (a GGUF file dequantizes to fp32)"),
     Option("kv_cache_dtype", _dtype, "fp32, bf16, fp16 (or float32, bfloat16, float16, auto)",
@@ -374,7 +375,7 @@ def process_arguments(prog: str, description: str | None, argv: list[str] | None
     return parser, args, cfg
 
 
-def write_port_file(path: str | None, ports: dict[str, int]) -> None:
+def write_port_file(path: str | None, ports: dict) -> None:
     """Tell a parent process (tests, make run, benchmarks) the ports actually bound."""
     if not path:
         return

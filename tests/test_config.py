@@ -53,7 +53,7 @@ def test_env_overrides_file_and_flags_override_env(tmp_path):
     ("option.max_splits=0", "option.max_splits"),
     ("option.max_splits=two", "option.max_splits"),
     ("option.dtype=int4", "option.dtype"),
-    ("option.tensor_parallel_degree=2", "option.tensor_parallel_degree"),
+    ("option.tensor_parallel_degree=0", "option.tensor_parallel_degree"),
     ("option.decoding_strategy=beam", "option.decoding_strategy"),
     ("option.trust_remote_code=maybe", "option.trust_remote_code"),
     ("option.max_rolling_batch_size=0", "option.max_rolling_batch_size"),

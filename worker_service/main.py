@@ -1,9 +1,11 @@
-"""`seqserve-worker`: serve one model on one device to the scheduler over gRPC."""
+"""`seqserve-worker`: serve one model on one device to the scheduler over gRPC; with
+option.tensor_parallel_degree=T, on T devices (or T shares of the CPU) as one group."""
 
 from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 from concurrent import futures
 
@@ -17,6 +19,7 @@ from seqserve_common.config import ConfigError, process_arguments, write_port_fi
 from seqserve_common.control_auth import ControlTokenInterceptor, control_token
 from seqserve_common.control_channel import GRPC_MESSAGE_OPTIONS
 from seqserve_common.tls import worker_tls
+from worker_service import tensor_parallel as tp
 
 logger = logging.getLogger("seqserve.worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -39,14 +42,62 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def follower_main(cfg, me: tp.Rank, device: str) -> int:
+    """Ranks 1..T-1 of a tensor-parallel group: no gRPC; load this rank's shard of the
+    model and run what rank 0 broadcasts (tp_engine.py) until it stops or fails."""
+    from worker_service.engine import Engine
+    from worker_service.host_memory import keep_freed_memory
+    from worker_service.model_runner import ModelRunner
+    from worker_service.prefix_cache import PrefixCache
+    from worker_service.tp_engine import follow
+
+    tp.follow_launcher()
+    # Rank 0 decides when the group stops (it drains first, then says so); a terminal's
+    # Ctrl-C or torchrun's SIGTERM reaching this rank too must not break that drain.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    keep_freed_memory()
+    try:
+        tp.join_group(me, device)
+        runner = ModelRunner(cfg.model_id, dtype=cfg.dtype, device=device,
+                             trust_remote_code=cfg.trust_remote_code,
+                             kv_dtype=cfg.kv_cache_dtype, gguf_cache_dir=cfg.gguf_cache_dir,
+                             batch_invariant=cfg.batch_invariant,
+                             tensor_parallel_degree=me.world_size)
+    except Exception:
+        logger.exception("rank %d could not load model %s", me.rank, cfg.model_id)
+        return 1
+    engine = Engine(runner, PrefixCache(runner.kv_shape, cfg.prompt_cache_bytes,
+                                        cfg.prompt_cache_block_tokens))
+    code = follow(engine)
+    logger.info("rank %d exits (%d)", me.rank, code)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser, args, cfg = process_arguments("seqserve-worker", __doc__, argv)
+    degree = cfg.tensor_parallel_degree
     try:
         tls = worker_tls(cfg)
         token = control_token(cfg)
-        device = resolve_device(cfg.device)
-    except ConfigError as exc:
+        me = tp.Rank.from_environment(degree) if degree > 1 else None
+        device = tp.rank_device(resolve_device(cfg.device), me)
+    except (ConfigError, tp.TensorParallelError) as exc:
         parser.error(str(exc))
+    if degree > 1 and device == "cpu":
+        tp.split_threads(degree)
+    if me is not None and not me.leader:
+        tp.label_logs(me.rank)
+        return follower_main(cfg, me, device)
+    # Rank 0 of a group started without torchrun starts the other ranks itself.
+    store, followers, group_stopping = None, [], threading.Event()
+    if degree > 1:
+        tp.label_logs(0)
+    if degree > 1 and me is None:
+        me, store, followers = tp.launch_followers(degree, argv)
+        threading.Thread(target=tp.watch_followers, args=(followers, group_stopping),
+                         name="tp-watchdog", daemon=True).start()
 
     # torch and the engine load here, after the configuration is checked (a bad option
     # fails fast).
@@ -57,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker_service.model_runner import ModelRunner
     from worker_service.prefix_cache import PrefixCache
     from worker_service.servicer import WorkerServicer
+    from worker_service.tp_engine import LeaderEngine
 
     metrics = WorkerMetrics()
     keep_freed_memory()
@@ -88,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         httpd, _ = start_http_server(cfg.worker_metrics_port, addr=cfg.host,
                                      registry=metrics.registry)
         metrics_port = httpd.server_port
-    write_port_file(args.port_file, {"grpc": port, "metrics": metrics_port})
+    ports: dict = {"grpc": port, "metrics": metrics_port}
+    if followers:  # whoever supervises the group can see (and test) its other ranks
+        ports["follower_pids"] = [p.pid for p in followers]
+    write_port_file(args.port_file, ports)
     logger.info("worker listening on %s:%d (%s, metrics %d); loading %s", cfg.host, port,
                 "mutual TLS" if tls is not None else "plaintext", metrics_port, cfg.model_id)
     if tls is None and cfg.host not in ("127.0.0.1", "localhost", "::1"):
@@ -112,10 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
+        if degree > 1:
+            tp.join_group(me, device, store)
         runner = ModelRunner(cfg.model_id, dtype=cfg.dtype, device=device,
                              trust_remote_code=cfg.trust_remote_code,
                              kv_dtype=cfg.kv_cache_dtype, gguf_cache_dir=cfg.gguf_cache_dir,
-                             batch_invariant=cfg.batch_invariant)
+                             batch_invariant=cfg.batch_invariant,
+                             tensor_parallel_degree=degree)
     except Exception:
         logger.exception("could not load model %s", cfg.model_id)
         server.stop(0)
@@ -123,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     prefix_cache = PrefixCache(runner.kv_shape, cfg.prompt_cache_bytes,
                                cfg.prompt_cache_block_tokens)
     engine = Engine(runner, prefix_cache)
+    if degree > 1:
+        # Every call that changes the engine or runs the model reaches every rank.
+        engine = LeaderEngine(engine)
     try:
         seconds = engine.warm_up(cfg.max_prefill_tokens,
                                  premap_bytes=min(cfg.kv_cache_bytes, PREMAP_BYTES))
@@ -135,11 +196,20 @@ def main(argv: list[str] | None = None) -> int:
     servicer.attach(engine)
     threading.Thread(target=servicer.watch_lease, args=(stop_lease,), name="lease",
                      daemon=True).start()
+    if degree > 1:
+        threading.Thread(target=engine.keep_alive, args=(compute.submit, stop_lease),
+                         name="tp-heartbeat", daemon=True).start()
     for name in health_names.readiness_names(SERVICE_NAME):
         health_servicer.set(name, health_names.SERVING)
-    logger.info("worker ready: %s on %s, %d KV tokens", cfg.model_id, device,
-                servicer.kv_capacity_tokens)
+    logger.info("worker ready: %s on %s, %d KV tokens%s", cfg.model_id, device,
+                servicer.kv_capacity_tokens,
+                f" per rank, tensor-parallel group of {degree}" if degree > 1 else "")
     compute.serve()  # every Step, until SIGTERM or SIGINT has drained the server
+    if degree > 1:
+        group_stopping.set()
+        engine.stop()
+        for proc in followers:
+            proc.wait(timeout=30)
     return 0
 
 

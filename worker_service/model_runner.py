@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from seqserve_common.model_source import gguf_kwargs, model_files
-from worker_service import attention, batch_invariance
+from worker_service import attention, batch_invariance, tensor_parallel
 from worker_service.kernels import fused_layers, linear_prepack, native_attention
 from worker_service.fallback import OwnAttention
 from worker_service.kv_groups import KVGroup, KVShape
@@ -97,7 +97,7 @@ class ModelRunner:
     def __init__(self, model_id: str, dtype: str = "float32", device: str = "cpu",
                  trust_remote_code: bool = False, prepack: bool = True,
                  kv_dtype: str = "auto", gguf_cache_dir: str | None = None,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, tensor_parallel_degree: int = 1):
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; use auto or one of "
                              f"{', '.join(DTYPES)}")
@@ -107,6 +107,9 @@ class ModelRunner:
         path, gguf_file = model_files(model_id, gguf_cache_dir)
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code,
                                             **gguf_kwargs(gguf_file))
+        # Under tensor parallelism (the process group is joined already) every rank loads
+        # its shard of each layer; attention then sees this rank's heads only.
+        shard = tensor_parallel.shard_kwargs(config, tensor_parallel_degree)
         self.layer_attention, reason = attention.layer_attention(config)
         self.fallback: OwnAttention | None = None
         self.kv_dtype_name = kv_dtype
@@ -117,7 +120,7 @@ class ModelRunner:
             extra = {} if attn is None else {"attn_implementation": attn}
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype="auto" if dtype == "auto" else DTYPES[dtype],
-                trust_remote_code=trust_remote_code, **extra,
+                trust_remote_code=trust_remote_code, **extra, **shard,
                 **gguf_kwargs(gguf_file, weights=True))
             return self._place(model.to(self.device).eval())
 
@@ -143,12 +146,16 @@ class ModelRunner:
             dtype=dtype,
             device=str(self.device),
         )
-        if prepack and linear_prepack.supported(self.model):
+        # The CPU kernels below replace modules and read whole weights; a sharded model's
+        # layers are wrapped by transformers' tensor-parallel forward and hold DTensors,
+        # so under tensor parallelism its own (sharded) layers run instead.
+        sharded = bool(shard)
+        if prepack and not sharded and linear_prepack.supported(self.model):
             n = linear_prepack.prepack_linears(
                 self.model, batch_invariance.MIN_ROWS if batch_invariant else 1)
             self.lm_head = self.model.get_output_embeddings()
             logger.info("prepacked the weights of %d linear layers for oneDNN", n)
-        norms, rotary = fused_layers.install(self.model)
+        norms, rotary = (0, 0) if sharded else fused_layers.install(self.model)
         if norms or rotary:
             logger.info("one-pass C loops for %d RMSNorms and the rotary embedding of %d "
                         "modeling modules", norms, rotary)
