@@ -142,7 +142,8 @@ def test_killing_rank_one_fails_the_group_and_the_scheduler_recovers(deploy):
                        temperature=0.9, top_k=40), crash())
 
     *greedy, got_sampled, (code, log) = asyncio.run(scenario())
-    assert code == 1 and "tensor-parallel rank 1 (pid" in log and "the group has failed" in log
+    # Rank 0 saw it first either way: its watchdog (rank 1 exited), or a collective.
+    assert code == 1 and "the tensor-parallel group has failed" in log, log[-3000:]
     eos = reference.load(str(model))[0].eos_token_id
     for (p, n), got in zip(prompts, greedy):
         assert len(got) == n

@@ -122,9 +122,9 @@ def watch_followers(followers: list[subprocess.Popen], stopping: threading.Event
         for rank, proc in enumerate(followers, start=1):
             code = proc.poll()
             if code is not None and not stopping.is_set():
-                logger.critical("tensor-parallel rank %d (pid %d) exited with %s: the group "
-                                "has failed; rank 0 exits so that the scheduler recovers "
-                                "its requests", rank, proc.pid, code)
+                logger.critical("rank %d (pid %d) exited with %s: the tensor-parallel "
+                                "group has failed; rank 0 exits so that the scheduler "
+                                "recovers its requests", rank, proc.pid, code)
                 logging.shutdown()
                 os._exit(1)
 

@@ -72,8 +72,9 @@ def group_failed(what: str, exc: BaseException) -> None:
     """A rank or the channel between them failed: the group cannot go on with some ranks
     out of step. Exit rank 0 now (its followers die with it), so the scheduler sees its
     worker fail and re-prefills its requests once the group is restarted."""
-    logger.critical("tensor-parallel group failed during %s (%s: %s); exiting so the "
-                    "scheduler recovers its requests", what, type(exc).__name__, exc)
+    logger.critical("the tensor-parallel group has failed during %s (%s: %s); rank 0 "
+                    "exits so that the scheduler recovers its requests", what,
+                    type(exc).__name__, exc)
     logging.shutdown()
     os._exit(1)
 
