@@ -12,7 +12,7 @@ token. Rank 0 alone answers the scheduler.
 Why a broadcast rather than a Step stream from the scheduler to every rank: the order of
 calls on every rank is then rank 0's by construction (a Reset cannot overtake a Step on
 one rank only), the scheduler and its recovery stay unchanged (a group is one worker),
-and the cost is small: two gloo broadcasts of a pickled call per Step (docs/architecture.md
+and the cost is small: one gloo broadcast of a pickled call per Step (docs/architecture.md
 has the measured numbers). Pickle is safe here: only the group's own ranks, joined
 through rank 0's rendezvous, are on the channel.
 """
@@ -24,6 +24,7 @@ import os
 import pickle
 import threading
 import time
+from concurrent.futures import CancelledError
 
 import torch
 import torch.distributed as dist
@@ -42,8 +43,12 @@ HEARTBEAT_SECONDS = 5.0
 
 
 class ControlChannel:
-    """Rank 0's calls to the other ranks: a length, then the pickled call, both broadcast
-    over gloo on CPU (the control messages never touch an accelerator)."""
+    """Rank 0's calls to the other ranks, pickled and broadcast over gloo on CPU (control
+    never touches an accelerator). One broadcast of a fixed-size frame carries the length
+    and, for every Step but those admitting many prompts, the whole call; a longer call
+    sends its remainder in a second broadcast."""
+
+    FRAME = 4096  # bytes: a decoding step's plan of 64 sequences pickles to under 200
 
     def __init__(self, group=None):
         self.group = group
@@ -53,19 +58,29 @@ class ControlChannel:
     def send(self, call: tuple) -> None:
         t0 = time.perf_counter()
         data = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        dist.broadcast(size, src=0, group=self.group)
-        dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0,
-                       group=self.group)
+        head = self.FRAME - 8
+        frame = torch.zeros(self.FRAME, dtype=torch.uint8)
+        frame[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")),
+                                     dtype=torch.uint8)
+        frame[8:8 + min(len(data), head)] = torch.frombuffer(bytearray(data[:head]),
+                                                             dtype=torch.uint8)
+        dist.broadcast(frame, src=0, group=self.group)
+        if len(data) > head:
+            dist.broadcast(torch.frombuffer(bytearray(data[head:]), dtype=torch.uint8),
+                           src=0, group=self.group)
         self.sent += 1
         self.send_seconds += time.perf_counter() - t0
 
     def receive(self) -> tuple:
-        size = torch.zeros(1, dtype=torch.int64)
-        dist.broadcast(size, src=0, group=self.group)
-        data = torch.empty(int(size), dtype=torch.uint8)
-        dist.broadcast(data, src=0, group=self.group)
-        return pickle.loads(data.numpy().tobytes())
+        frame = torch.empty(self.FRAME, dtype=torch.uint8)
+        dist.broadcast(frame, src=0, group=self.group)
+        size = int.from_bytes(frame[:8].numpy().tobytes(), "little")
+        data = frame[8:8 + size].numpy().tobytes()
+        if size > len(data):
+            rest = torch.empty(size - len(data), dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.group)
+            data += rest.numpy().tobytes()
+        return pickle.loads(data)
 
 
 def group_failed(what: str, exc: BaseException) -> None:
@@ -121,7 +136,7 @@ class LeaderEngine:
         while not stop.wait(HEARTBEAT_SECONDS / 2):
             try:
                 submit(self.heartbeat).result()
-            except RuntimeError:  # the compute loop has stopped
+            except (RuntimeError, CancelledError):  # the compute loop has stopped
                 return
 
     def stop(self) -> None:
