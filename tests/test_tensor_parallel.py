@@ -22,9 +22,12 @@ from tests.test_architectures import odd_model
 from worker_service.tensor_parallel import TensorParallelError, shard_kwargs
 
 # Fixture architectures whose transformers config defines a tensor-parallel plan
-# (base_model_tp_plan); GPT-2, OPT, GPT-J, Falcon, Bloom and StableLM have none.
-SHARDABLE = ("qwen2", "mistral", "gpt_neox", "mixtral", "qwen3", "gemma2", "gemma3", "phi",
-             "phi3", "starcoder2", "llama4")
+# (base_model_tp_plan); GPT-2, OPT, GPT-J, Falcon, Bloom and StableLM have none. Llama is
+# the test above. The Gemma 3 and StarCoder2 fixtures are multi-query (one key/value
+# head), which the plan cannot split over two ranks: they must say so at start.
+SHARDABLE = ("qwen2", "mistral", "gpt_neox", "mixtral", "qwen3", "gemma2", "phi", "phi3",
+             "llama4")
+MULTI_QUERY = ("gemma3", "starcoder2")
 FAST = ("gemma2", "mixtral")  # softcap + alternating windows; experts
 PROMPT_TOKENS = (2, 9, 23, 41)
 NEW_TOKENS = 16
@@ -98,6 +101,14 @@ def test_architecture_without_a_plan_fails_at_start_naming_it(deploy):
     assert ("GPT2LMHeadModel cannot run with tensor_parallel_degree=2: transformers"
             in str(err.value)), str(err.value)
     assert "defines no tensor-parallel plan" in str(err.value)
+
+
+@pytest.mark.parametrize("arch", MULTI_QUERY)
+def test_one_key_value_head_fails_at_start_naming_it(arch, deploy):
+    with pytest.raises(RuntimeError) as err:
+        deploy(odd_model(arch), TP2)
+    assert re.search(r"\w+ForCausalLM cannot run with tensor_parallel_degree=2: its "
+                     r"num_key_value_heads=1 does not divide among 2 ranks", str(err.value))
 
 
 def test_heads_that_do_not_divide_are_refused():
