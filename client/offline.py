@@ -123,7 +123,9 @@ class OfflineModel:
         `top_p` (and the other DecodingParameters fields in `params`). A `seed` makes the
         batch reproducible: row i samples with seed + i, so equal prompts in one batch
         still get independent samples, and row i gets what a request of its own with
-        seed + i gets."""
+        seed + i gets. `num_beams` > 1 is beam search (`length_penalty`, `early_stopping`,
+        `num_return_sequences`, as in Hugging Face's generate): each row then gives
+        num_return_sequences outputs in a row, best first."""
         if pad_token is None:
             pad_token = pad_token_id
         elif pad_token_id is not None and pad_token_id != pad_token:
@@ -136,9 +138,14 @@ class OfflineModel:
         params = {**params, "max_new_tokens": max_new_tokens, "do_sample": do_sample}
         requests = [build_request(p, **params, seed=None if seed is None else seed + i)
                     for i, p in enumerate(prompts)]
-        replies = self._run(requests)
-        return [(list(p) if include_prompt else []) + [t.id for t in r.tokens]
-                for p, r in zip(prompts, replies)]
+        out = []
+        for prompt, reply in zip(prompts, self._run(requests)):
+            head = list(prompt) if include_prompt else []
+            # Beam search returns num_return_sequences hypotheses per row, best first:
+            # consecutive outputs, as generate's [batch * num_return_sequences] rows.
+            hypotheses = [list(s.token_ids) for s in reply.sequences]
+            out += [head + ids for ids in hypotheses or [[t.id for t in reply.tokens]]]
+        return out
 
     def _run(self, requests: Sequence) -> list:
         """GenerateUnary for every request, at most max_in_flight outstanding; replies in

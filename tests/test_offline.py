@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 from client import Client
 from client.offline import OfflineModel, strip_padding
 from tests import reference
+from tests.test_beam import beam_reference
 
 # The seed's prompts (continuous-batching.md, "Offline").
 PROMPTS = [
@@ -90,3 +91,17 @@ def test_sampling_rows_reproduce_single_requests(llama_dir, deploy):
         greedy = model.generate(batch.input_ids, pad_token=tokenizer.pad_token_id,
                                 include_prompt=False, max_new_tokens=10)
         assert outputs != greedy  # it did sample
+
+
+def test_beam_search_rows_equal_generate_num_beams(llama_dir, deploy):
+    d = deploy(llama_dir)
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir, padding_side="left")
+    batch = tokenizer(PROMPTS[:3], padding=True, return_tensors="pt")
+    beam = dict(num_beams=4, num_return_sequences=2, length_penalty=0.5, early_stopping=True)
+    with OfflineModel(d.address, timeout=120) as model:
+        outputs = model.generate(batch.input_ids, pad_token=tokenizer.pad_token_id,
+                                 max_new_tokens=10, include_prompt=False, **beam)
+    assert len(outputs) == 3 * 2  # generate's [batch * num_return_sequences]
+    for i, prompt in enumerate(PROMPTS[:3]):
+        expected = [ids for ids, _ in beam_reference(llama_dir, prompt, 10, **beam)]
+        assert outputs[2 * i : 2 * i + 2] == expected
