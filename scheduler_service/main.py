@@ -20,7 +20,7 @@ from scheduler_service.loop import IterationLoop
 from scheduler_service.metrics import SchedulerMetrics, metrics_route
 from scheduler_service.openai_api import OpenAIApp
 from scheduler_service.params import Limits
-from scheduler_service.policies import make_policy
+from scheduler_service.policies import policy_factory
 from scheduler_service.worker_client import WorkerClient
 from scheduler_service.worker_pool import WorkerPool
 from seqserve_common import control_auth, tls
@@ -121,12 +121,14 @@ async def serve(cfg: ServingConfig, port_file: str | None,
     clients = [WorkerClient(address, control_token, credentials=credentials)
                for address in cfg.worker_addresses]
 
+    new_policy = policy_factory(cfg)
+
     def make_loop(client: WorkerClient) -> IterationLoop:
         return IterationLoop(client, max_rolling_batch_size=cfg.max_rolling_batch_size,
                              max_queue=cfg.max_queue, max_sparsity=cfg.max_sparsity,
                              max_splits=cfg.max_splits, worker_timeout=cfg.worker_timeout,
                              metrics=metrics, max_prefill_tokens=cfg.max_prefill_tokens,
-                             steps_in_flight=cfg.steps_in_flight, policy=make_policy(cfg))
+                             steps_in_flight=cfg.steps_in_flight, policy=new_policy())
 
     workers = WorkerPool(clients, make_loop, cfg.max_queue)
     workers.on_ready_change = lambda ready: asyncio.ensure_future(

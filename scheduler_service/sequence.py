@@ -92,6 +92,10 @@ class Sequence:
     # was preempted and are dropped.
     admitted_step: int = 0
     preemptions: int = 0
+    # Policy length-aware: the predicted output length, and the new tokens KV is
+    # reserved for (None: max_new_tokens).
+    predicted_tokens: int | None = None
+    reserve_new_tokens: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -124,7 +128,9 @@ class Sequence:
     def reserved_tokens(self) -> int:
         """KV tokens this request may grow to (every row of a beam search); admission
         reserves them up front."""
-        return (len(self.prompt_ids) + self.params.max_new_tokens) * self.rows
+        new = self.params.max_new_tokens if self.reserve_new_tokens is None else \
+            self.reserve_new_tokens
+        return (len(self.prompt_ids) + new) * self.rows
 
     @property
     def finished(self) -> bool:

@@ -87,7 +87,7 @@ def _addresses(text: str) -> tuple[str, ...]:
     return items
 
 
-SCHEDULING_POLICIES = ("fcfs", "priority", "mlfq")
+SCHEDULING_POLICIES = ("fcfs", "priority", "mlfq", "length-aware")
 
 OPTIONS: tuple[Option, ...] = (
     Option("engine", str, "any engine name (kept for DJL compatibility)",
@@ -152,7 +152,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("scheduling_policy", _choice(*SCHEDULING_POLICIES), ", ".join(SCHEDULING_POLICIES),
            help="which waiting request runs next: fcfs (arrival order), priority (the "
                 "request's priority, preempting less urgent work), mlfq (FastServe's "
-                "skip-join multi-level feedback queue); docs/scheduling.md"),
+                "skip-join multi-level feedback queue), length-aware (shortest predicted "
+                "response first, KV reserved by prediction); docs/scheduling.md"),
     Option("priority_aging_steps", int, "an integer >= 1", lambda v: v >= 1,
            "priority and mlfq: a waiting request gains one level of urgency per this many "
            "Steps waited, so none starves"),
@@ -164,6 +165,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("mlfq_prefill_tokens_per_step", int, "an integer >= 1", lambda v: v >= 1,
            "mlfq: prompt tokens whose prefill costs about one decoding Step (skip-join "
            "places a job by its prefill cost)"),
+    Option("length_bucket_tokens", int, "an integer >= 1", lambda v: v >= 1,
+           "length-aware: width of the predicted-length buckets that admission orders and "
+           "reserves KV by"),
     Option("max_queue", int, "an integer >= 0", lambda v: v >= 0,
            "waiting requests at most; past it requests get RESOURCE_EXHAUSTED"),
     Option("max_new_tokens_limit", int, "an integer >= 1", lambda v: v >= 1,
@@ -245,6 +249,7 @@ class ServingConfig:
     mlfq_levels: int = 4
     mlfq_quantum_steps: int = 8
     mlfq_prefill_tokens_per_step: int = 128
+    length_bucket_tokens: int = 50
     max_queue: int = 1024
     max_new_tokens_limit: int = 4096
     default_max_new_tokens: int = 64

@@ -8,8 +8,14 @@ import pytest
 
 from scheduler_service.admission import Budget, WaitingQueue
 from scheduler_service.params import DecodingConfig, RequestError
-from scheduler_service.policies import make_policy
-from scheduler_service.policies.mlfq import MLFQAdmission, MLFQConfig, demand_level, join_level
+from scheduler_service.policies import make_policy, policy_factory
+from scheduler_service.policies.length_aware import LengthAwareAdmission
+from scheduler_service.policies.mlfq import (
+    MLFQAdmission,
+    MLFQConfig,
+    demand_level,
+    join_level,
+)
 from scheduler_service.policies.priority import (
     PRIORITY_MAX,
     PRIORITY_MIN,
@@ -164,7 +170,7 @@ def test_skip_join_places_a_job_by_its_prefill_cost():
 
 def test_demotion_after_each_quantum():
     # Joins queue 0: quantum 2, then 4 more in queue 1, 8 in queue 2, then the last queue.
-    levels = [demand_level(5, served, CFG) for served in range(0, 20)]
+    levels = [demand_level(5, served, CFG) for served in range(20)]
     assert levels == [0, 0] + [1] * 4 + [2] * 8 + [3] * 6
     # Joined queue 1 (cost 3): 4 Steps there, then 8 in queue 2.
     assert [demand_level(25, s, CFG) for s in (0, 3, 4, 11, 12)] == [1, 1, 2, 2, 3]
@@ -202,10 +208,16 @@ def test_make_policy_by_name():
                       PriorityAdmission)
     m = make_policy(ServingConfig(scheduling_policy="mlfq", mlfq_levels=3))
     assert isinstance(m, MLFQAdmission) and m.cfg.levels == 3
+    factory = policy_factory(ServingConfig(scheduling_policy="length-aware",
+                                           length_bucket_tokens=20))
+    a, b = factory(), factory()
+    assert isinstance(a, LengthAwareAdmission) and a is not b
+    assert a.predictor is b.predictor and a.predictor.cfg.bucket_tokens == 20
 
 
 def test_unknown_policy_stops_start_up(tmp_path):
     props = tmp_path / "serving.properties"
     props.write_text("option.model_id=x\noption.scheduling_policy=sjf\n")
-    with pytest.raises(ConfigError, match=r"option.scheduling_policy.*fcfs, priority, mlfq"):
+    with pytest.raises(ConfigError,
+                       match=r"option.scheduling_policy.*fcfs, priority, mlfq, length-aware"):
         load_config(props, env={})

@@ -10,7 +10,6 @@ import asyncio
 import zlib
 
 import pytest
-
 from transformers import AutoTokenizer
 
 from scheduler_service.detokenizer import IncrementalDetokenizer, StopMatcher
@@ -19,8 +18,13 @@ from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.params import DecodingConfig
 from scheduler_service.policies.mlfq import MLFQAdmission, MLFQConfig
 from scheduler_service.policies.priority import PriorityAdmission
-from scheduler_service.sequence import FinishEvent, Sequence
-from scheduler_service.worker_client import StepAnswer, StepFailed, StepToken, WorkerInfo
+from scheduler_service.sequence import Sequence
+from scheduler_service.worker_client import (
+    StepAnswer,
+    StepFailed,
+    StepToken,
+    WorkerInfo,
+)
 from seqserve_common.decoding import DecodingStrategy
 from tests.conftest import tiny_model
 
@@ -33,7 +37,7 @@ def token(prompt: list[int], position: int) -> int:
 
 
 class Stream:
-    def __init__(self, worker: "Worker"):
+    def __init__(self, worker: Worker):
         self.worker = worker
         self.queued: list = []
 
@@ -143,5 +147,45 @@ def test_urgent_request_preempts_and_outputs_stay_identical(name, in_flight):
 
 def test_fcfs_makes_the_urgent_request_wait():
     """The control: without preemption the urgent request waits for a low one to end."""
-    (low, urgent, steps), metrics, _ = scenario(None, 2)
+    (_, _, steps), metrics, _ = scenario(None, 2)
     assert steps > 30 and metrics.preemptions._value.get() == 0
+
+
+def test_length_aware_outgrown_reservations_preempt_and_outputs_stay_identical():
+    """KV reserved by a prediction of 10 tokens (one bucket, 50) for requests that run 60:
+    at the end of the bucket the budget cannot grow them all, so some are preempted and
+    recomputed later with a larger reservation; every output is unchanged."""
+    from scheduler_service.policies.length_aware import LengthAwareAdmission
+    from scheduler_service.policies.length_predictor import LengthPredictor, prefix_keys
+
+    predictor = LengthPredictor()
+    worker = Worker()
+    worker.info = WorkerInfo("fake", "FakeForCausalLM", vocab_size=1000,
+                             eos_token_ids=frozenset([EOS]), max_position_embeddings=4096,
+                             dtype="float32", device="cpu", kv_capacity_tokens=200)
+    metrics = SchedulerMetrics()
+
+    async def run():
+        loop = IterationLoop(worker, max_rolling_batch_size=4, max_queue=16, max_sparsity=0.3,
+                             max_splits=2, worker_timeout=5, metrics=metrics,
+                             max_prefill_tokens=4096, steps_in_flight=2,
+                             policy=LengthAwareAdmission(predictor, aging_steps=1000))
+        seqs = [request(loop, 8, 60, priority=0) for _ in range(3)]
+        for s in seqs:
+            predictor.learn(8, prefix_keys(s.prompt_ids, 64), 10)
+            loop.submit(s)
+        task = asyncio.create_task(loop.run())
+        for s in seqs:
+            while not s.finished:
+                await asyncio.sleep(0.001)
+        loop.stop()
+        await task
+        return seqs
+
+    seqs = asyncio.run(asyncio.wait_for(run(), 30))
+    assert metrics.preemptions._value.get() >= 1
+    for s in seqs:
+        assert s.output_ids == [token(s.prompt_ids, i) for i in range(60)]
+    # It learned the real lengths of those that ended before the last admission (the
+    # policy learns when it next admits).
+    assert predictor.learned >= 3 + 2

@@ -1,5 +1,6 @@
-"""Policy `priority` on the real processes: an urgent request sent into a full batch of
-low-priority work gets its first token within a few Steps (counted by the scheduler's
+"""Policies `priority` and `mlfq` on the real processes: an urgent request (more urgent
+priority; under mlfq a new job) sent into a full batch of running work gets its first
+token within a few Steps (counted by the scheduler's
 step counter, not by a clock), the preempted work comes out token-identical to
 model.generate (greedy) and to the same request alone (seeded sampling), and every API
 takes a priority and refuses one out of range."""
@@ -27,15 +28,20 @@ def _steps(d) -> float:
     return scrape(d.metrics_url, names=[STEPS])[STEPS]
 
 
-def test_urgent_request_preempts_a_full_batch(llama_dir, deploy):
-    d = deploy(llama_dir, scheduling_policy="priority", max_rolling_batch_size=2)
+# mlfq: the low requests are demoted after 2 + 4 Steps; the new short one joins queue 0.
+@pytest.mark.parametrize("policy", [{"scheduling_policy": "priority"},
+                                    {"scheduling_policy": "mlfq", "mlfq_quantum_steps": 2}],
+                         ids=["priority", "mlfq"])
+def test_urgent_request_preempts_a_full_batch(llama_dir, deploy, policy):
+    d = deploy(llama_dir, max_rolling_batch_size=2, **policy)
     tok = AutoTokenizer.from_pretrained(llama_dir)
     rng = random.Random(3)
     greedy_prompt = reference.prompt_of_tokens(tok, 40, rng)
     sample_prompt = reference.prompt_of_tokens(tok, 30, rng)
     urgent_prompt = reference.prompt_of_tokens(tok, 12, rng)
-    sample_params = dict(decoding_strategy="sample", seed=11, top_k=50, temperature=0.9,
-                         max_new_tokens=60, ignore_eos=True, priority=5)
+    sample_params = {"decoding_strategy": "sample", "seed": 11, "top_k": 50,
+                     "temperature": 0.9, "max_new_tokens": 60, "ignore_eos": True,
+                     "priority": 5}
 
     async def scenario():
         async with AsyncClient(d.address) as c:

@@ -1,18 +1,32 @@
 """Scheduling policies behind the AdmissionPolicy seam (admission.py), chosen by
 `option.scheduling_policy`: fcfs (admission.FCFSAdmission), priority (priority.py), mlfq
-(mlfq.py). Each is pure planning logic, tested without gRPC."""
+(mlfq.py), length-aware (length_aware.py, length_predictor.py). Each is pure planning logic, tested without gRPC."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from scheduler_service.admission import AdmissionPolicy, FCFSAdmission
+from scheduler_service.policies.length_aware import LengthAwareAdmission
+from scheduler_service.policies.length_predictor import LengthPredictor, PredictorConfig
 from scheduler_service.policies.mlfq import MLFQAdmission, MLFQConfig
 from scheduler_service.policies.priority import PriorityAdmission
 from seqserve_common.config import SCHEDULING_POLICIES, ServingConfig
 
-assert SCHEDULING_POLICIES == ("fcfs", "priority", "mlfq"), "keep make_policy in step"
+assert SCHEDULING_POLICIES == ("fcfs", "priority", "mlfq", "length-aware"), \
+    "keep make_policy in step"
 
 
-def make_policy(cfg: ServingConfig) -> AdmissionPolicy:
+def policy_factory(cfg: ServingConfig) -> Callable[[], AdmissionPolicy]:
+    """Makes one policy per worker's loop; they share one length predictor, which
+    learns from the requests of every worker."""
+    predictor = LengthPredictor(PredictorConfig(bucket_tokens=cfg.length_bucket_tokens))
+    make_policy(cfg, predictor)  # a bad setting fails now, at start-up
+    return lambda: make_policy(cfg, predictor)
+
+
+def make_policy(cfg: ServingConfig, predictor: LengthPredictor | None = None
+                ) -> AdmissionPolicy:
     """A fresh policy for one worker's loop (ValueError on a bad setting)."""
     name = cfg.scheduling_policy
     if name == "fcfs":
@@ -24,5 +38,9 @@ def make_policy(cfg: ServingConfig) -> AdmissionPolicy:
             levels=cfg.mlfq_levels, base_quantum=cfg.mlfq_quantum_steps,
             prefill_tokens_per_step=cfg.mlfq_prefill_tokens_per_step,
             aging_steps=cfg.priority_aging_steps))
+    if name == "length-aware":
+        predictor = predictor or LengthPredictor(
+            PredictorConfig(bucket_tokens=cfg.length_bucket_tokens))
+        return LengthAwareAdmission(predictor, cfg.priority_aging_steps)
     raise ValueError(f"option.scheduling_policy {name!r} is unknown; choose one of "
                      f"{', '.join(SCHEDULING_POLICIES)}")

@@ -12,7 +12,7 @@ produced (recompute), so its output is unchanged.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from scheduler_service.admission import Budget, WaitingQueue
 from scheduler_service.sequence import Sequence
