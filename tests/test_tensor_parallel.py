@@ -120,6 +120,42 @@ def test_heads_that_do_not_divide_are_refused():
     assert shard_kwargs(config, 1) == {}
 
 
+def _prepacked_rank(rank: int, init: str, model: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from worker_service.kernels.sharded_prepack import ShardPrepackedLinear
+    from worker_service.model_runner import ModelRunner
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    ids = torch.tensor([[1, 5, 7, 9, 11, 13, 17, 19, 23]])
+    logits = []
+    for prepack in (True, False):
+        runner = ModelRunner(model, dtype="bfloat16", prepack=prepack, tensor_parallel_degree=2)
+        with torch.inference_mode():
+            hidden = runner.base(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 use_cache=False).last_hidden_state
+            logits.append(runner.logits(hidden))
+        layer = runner.model.model.layers[0]
+        kinds = {type(layer.self_attn.q_proj).__name__, type(layer.mlp.down_proj).__name__,
+                 type(runner.lm_head).__name__}
+        assert kinds == ({ShardPrepackedLinear.__name__} if prepack else {"Linear"}), kinds
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(str(torch.equal(*logits)))
+    dist.destroy_process_group()
+
+
+def test_prepacked_shards_compute_what_the_plain_shards_do(tmp_path):
+    """bfloat16 under tensor parallelism: each rank's column- and row-wise layers and the
+    gathered output layer run prepacked shards, with the very bits of transformers' own."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "equal")
+    mp.spawn(_prepacked_rank, args=(f"file://{tmp_path}/rendezvous", str(tiny_model("llama")),
+                                    out), nprocs=2)
+    assert [open(f"{out}.{r}").read() for r in range(2)] == ["True", "True"]
+
+
 def test_killing_rank_one_fails_the_group_and_the_scheduler_recovers(deploy):
     model = tiny_model("llama")
     d = deploy(model, TP2, max_prefill_tokens=256)

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from seqserve_common.model_source import gguf_kwargs, model_files
 from worker_service import attention, batch_invariance, tensor_parallel
-from worker_service.kernels import fused_layers, linear_prepack, native_attention
+from worker_service.kernels import fused_layers, linear_prepack, native_attention, sharded_prepack
 from worker_service.fallback import OwnAttention
 from worker_service.kv_groups import KVGroup, KVShape
 from worker_service.packed_batch import PackedBatch, PackedCache, StatelessCache
@@ -110,6 +110,10 @@ class ModelRunner:
         # Under tensor parallelism (the process group is joined already) every rank loads
         # its shard of each layer; attention then sees this rank's heads only.
         shard = tensor_parallel.shard_kwargs(config, tensor_parallel_degree)
+        if shard and batch_invariant:
+            raise ValueError(f"{batch_invariance.OPTION} is not supported with "
+                             f"tensor_parallel_degree={tensor_parallel_degree} (its padded "
+                             "products are not built for sharded layers); turn one off")
         self.layer_attention, reason = attention.layer_attention(config)
         self.fallback: OwnAttention | None = None
         self.kv_dtype_name = kv_dtype
@@ -146,15 +150,18 @@ class ModelRunner:
             dtype=dtype,
             device=str(self.device),
         )
-        # The CPU kernels below replace modules and read whole weights; a sharded model's
-        # layers are wrapped by transformers' tensor-parallel forward and hold DTensors,
-        # so under tensor parallelism its own (sharded) layers run instead.
+        # A sharded model's linear layers hold DTensors inside transformers' tensor-parallel
+        # forward: they get prepacked shards under the same styles (sharded_prepack.py);
+        # the fused norm and rotary loops, which patch modules the plan may also wrap,
+        # stay off under tensor parallelism.
         sharded = bool(shard)
-        if prepack and not sharded and linear_prepack.supported(self.model):
-            n = linear_prepack.prepack_linears(
-                self.model, batch_invariance.MIN_ROWS if batch_invariant else 1)
+        if prepack and linear_prepack.supported(self.model):
+            n = (sharded_prepack.prepack_sharded_linears(self.model) if sharded else
+                 linear_prepack.prepack_linears(
+                     self.model, batch_invariance.MIN_ROWS if batch_invariant else 1))
             self.lm_head = self.model.get_output_embeddings()
-            logger.info("prepacked the weights of %d linear layers for oneDNN", n)
+            logger.info("prepacked the weights of %d linear layers for oneDNN%s", n,
+                        " (this rank's shards)" if sharded else "")
         norms, rotary = (0, 0) if sharded else fused_layers.install(self.model)
         if norms or rotary:
             logger.info("one-pass C loops for %d RMSNorms and the rotary embedding of %d "
