@@ -99,19 +99,25 @@ class ContrastiveSearch:
         seq.accept(token)
         result.tokens.append(out)
 
-    def first_tokens(self, prompts: list[Prefill], hidden: torch.Tensor,
+    def first_tokens(self, chunks: list[Prefill], hidden: torch.Tensor,
                      result: StepResult) -> None:
-        """The first token of contrastive prompts that the forward just prefilled (`hidden`
-        its output): their context and next-token logits come from that forward, their
-        candidates need one more."""
-        if not prompts:
+        """Contrastive prompts (or chunks of them) that the forward just prefilled
+        (`hidden` its output): each keeps its tokens' hidden states as context; a prompt
+        whose last chunk this was gets its first token, whose next-token logits come from
+        that forward and whose candidates need one more."""
+        if not chunks:
             return
         t = time.perf_counter()
-        for p in prompts:
+        prompts = []
+        for p in chunks:
             prompt_hidden = segment_hidden(hidden, p.segment)
             p.seq.append_hidden(prompt_hidden)
-            p.seq.next_logits = self.runner.logits(prompt_hidden[-1])
+            if p.final:
+                p.seq.next_logits = self.runner.logits(prompt_hidden[-1])
+                prompts.append(p)
         result.forward_seconds += time.perf_counter() - t
+        if not prompts:
+            return
         batch = PackedBatch(self.runner.device, self.runner.layer_attention)
         trees = [self.add_candidates(batch, p.segment.group, p.segment.row, p.seq, result)
                  for p in prompts]

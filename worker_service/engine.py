@@ -125,7 +125,9 @@ class Engine:
     # --- the step --------------------------------------------------------------------
 
     def step(self, release: list[int], prefill: list[PrefillSpec],
-             plan: list[list[int]]) -> StepResult:
+             plan: list[list[int]], chunks: dict[int, int] | None = None) -> StepResult:
+        """`chunks`: sequence id -> prefill through token_ids[:end], for sequences created
+        partly prefilled (PrefillSpec.prefill_end) in an earlier step."""
         t0 = time.perf_counter()
         result = StepResult()
         for g in self.groups:
@@ -139,12 +141,21 @@ class Engine:
                 raise StepError(f"sequence {ns.seq_id} already exists; release it first")
             if not ns.token_ids:
                 raise StepError(f"sequence {ns.seq_id} has no tokens to prefill")
+            if not 0 <= ns.prefill_end <= len(ns.token_ids):
+                raise StepError(f"sequence {ns.seq_id}: prefill_end {ns.prefill_end} is not "
+                                f"in [0, {len(ns.token_ids)}] (its token count)")
             new_ids.add(ns.seq_id)
         self._check_plan(plan, new_ids)
+        chunks = chunks or {}
+        self._check_chunks(chunks)
         for ns in prefill:
+            n = len(ns.token_ids)
             self.sequences[ns.seq_id] = SequenceState(
                 seq_id=ns.seq_id, token_ids=list(ns.token_ids), num_generated=ns.num_generated,
-                params=ns.params, pin_tokens=ns.pin_tokens)
+                params=ns.params, pin_tokens=ns.pin_tokens, prompt_len=n,
+                chunk_end=ns.prefill_end or n)
+        for sid, end in chunks.items():
+            self.sequences[sid].chunk_end = end
         groups, old_counts, dropped_bytes = self._regroup(plan, new_ids)
         result.regroup_seconds = time.perf_counter() - t0
         self._run(groups, old_counts, result)
@@ -174,6 +185,17 @@ class Engine:
         if missing:
             raise StepError(f"sequences {sorted(missing)[:8]} are in no group; every live "
                             "sequence must be in exactly one group")
+
+    def _check_chunks(self, chunks: dict[int, int]) -> None:
+        for sid, end in chunks.items():
+            seq = self.sequences.get(sid)
+            if seq is None:
+                raise StepError(f"prefill chunk for sequence {sid}, which this worker does not "
+                                "hold; a new sequence's first chunk is its prefill_end")
+            if not seq.chunk_end < end <= seq.prompt_len:
+                raise StepError(f"prefill chunk for sequence {sid} ends at {end}; it must be "
+                                f"past the {seq.chunk_end} tokens asked for before and at most "
+                                f"its {seq.prompt_len} prompt tokens")
 
     def _regroup(self, plan: list[list[int]], new_ids: set[int]
                  ) -> tuple[list[KVGroup], list[int], int]:
@@ -238,19 +260,19 @@ class Engine:
     # --- forwards --------------------------------------------------------------------
 
     def _run(self, groups: list[KVGroup], old_counts: list[int], result: StepResult) -> None:
-        """One packed forward over every row: rows [0, n_old) of each group decode (one
-        token, or contrastive candidates), the rest prefill their prompts."""
+        """One packed forward over every row: rows whose KV holds their prompt decode (one
+        token, or contrastive candidates), the others prefill their next chunk (the rows
+        new in this step, rows [n_old, rows) of each group, start after a cached prefix)."""
         t = time.perf_counter()
-        self._reserve(groups, old_counts)
+        self._reserve(groups)
         result.regroup_seconds += time.perf_counter() - t
         t = time.perf_counter()
-        starts = {}
         for group, n_old in zip(groups, old_counts):
             for r in range(n_old, group.rows):
-                starts[group.seq_ids[r]] = self._reuse_prefix(group, r, self._seq(group, r))
+                self._reuse_prefix(group, r, self._seq(group, r))
         result.prefix_cache_seconds += time.perf_counter() - t
 
-        fwd = self._pack(groups, old_counts, starts, result)
+        fwd = self._pack(groups, result)
         if not fwd.batch.num_tokens:
             return
         t = time.perf_counter()
@@ -263,10 +285,13 @@ class Engine:
             seg.group.advance(seg.row_start, seg.row_end)
         t = time.perf_counter()
         for p in fwd.prefills:
-            p.segment.group.fill(p.segment.row, len(p.seq.token_ids))
+            end = p.segment.kv_len
+            p.segment.group.fill(p.segment.row, end)
             if self.prefix_cache is not None:
-                self.prefix_cache.insert(p.seq.token_ids, p.segment.group, p.segment.row,
-                                         p.seq.pin_tokens)
+                # Each chunk's whole blocks at once: a request sharing the prefix can reuse
+                # them before this prompt's last chunk.
+                self.prefix_cache.insert(p.seq.token_ids[:end], p.segment.group,
+                                         p.segment.row, p.seq.pin_tokens)
         result.prefix_cache_seconds += time.perf_counter() - t
         if fwd.sampled:
             self._emit([s.seq for s in fwd.sampled], logits, result)
@@ -276,62 +301,72 @@ class Engine:
                                       result)
         self.beams.advance(result)
 
-    def _pack(self, groups: list[KVGroup], old_counts: list[int], starts: dict[int, int],
-              result: StepResult) -> StepForward:
+    def _pack(self, groups: list[KVGroup], result: StepResult) -> StepForward:
         """Lay out the step's tokens: per group, runs of greedy and sampled decoding rows
-        as decode segments, each contrastive row's candidates as a tree, then the prompts
-        from their first uncached token."""
+        as decode segments, each contrastive row's candidates as a tree, and each prefilling
+        row's chunk from the first token its KV lacks (a row whose chunk is not due waits)."""
         fwd = StepForward(PackedBatch(self.device, self.runner.layer_attention))
-        for group, n_old in zip(groups, old_counts):
+        for group in groups:
             r = 0
-            while r < n_old:
+            while r < group.rows:
                 seq = self._seq(group, r)
+                start = group.length(r)
+                if start < seq.prompt_len:
+                    if seq.chunk_end > start:
+                        seg = fwd.batch.add_row(group, r, seq.token_ids[start:seq.chunk_end],
+                                                start)
+                        final = seq.chunk_end == seq.prompt_len
+                        fwd.prefills.append(Prefill(seq, seg, final))
+                        if final and not seq.contrastive:
+                            last = seg.token_start + seg.num_tokens - 1
+                            fwd.sampled.append(SampledRow(seq, last))
+                    r += 1
+                    continue
                 if seq.contrastive:
                     fwd.trees.append(self.contrastive.add_candidates(fwd.batch, group, r, seq,
                                                                      result))
                     r += 1
                     continue
                 end = r
-                while end < n_old and not self._seq(group, end).contrastive:
+                while end < group.rows and self._decodes_plainly(group, end):
                     end += 1
                 seqs = [self._seq(group, x) for x in range(r, end)]
                 seg = fwd.batch.add_decode(group, r, end, [s.next_input for s in seqs])
                 fwd.sampled += [SampledRow(s, seg.token_start + i) for i, s in enumerate(seqs)]
                 fwd.decodes.append(seg)
                 r = end
-            for r in range(n_old, group.rows):
-                seq = self._seq(group, r)
-                start = starts[seq.seq_id]
-                seg = fwd.batch.add_row(group, r, seq.token_ids[start:], start)
-                fwd.prefills.append(Prefill(seq, seg))
-                if not seq.contrastive:
-                    fwd.sampled.append(SampledRow(seq, seg.token_start + seg.num_tokens - 1))
         return fwd
 
     def _seq(self, group: KVGroup, row: int) -> SequenceState:
         return self.sequences[group.seq_ids[row]]
 
-    def _reserve(self, groups: list[KVGroup], old_counts: list[int]) -> None:
-        """Grow buffers for this step's writes before any segment takes views of them."""
-        for group, n_old in zip(groups, old_counts):
+    def _decodes_plainly(self, group: KVGroup, row: int) -> bool:
+        """Whether the row decodes one greedy or sampled token (its prompt is in its KV)."""
+        seq = self._seq(group, row)
+        return not seq.contrastive and group.length(row) >= seq.prompt_len
+
+    def _reserve(self, groups: list[KVGroup]) -> None:
+        """Grow buffers for this step's writes before any segment takes views of them (a
+        prefilling row gets room for its whole prompt at once)."""
+        for group in groups:
             need = 0
             for r in range(group.rows):
                 seq = self._seq(group, r)
                 extra = max(seq.params.top_k, 1) if seq.contrastive else 1
-                held = group.length(r) if r < n_old else len(seq.token_ids)
-                need = max(need, held + extra + 1)
+                need = max(need, max(group.length(r), seq.prompt_len) + extra + 1)
             group.ensure_capacity(group.rows, need)
 
-    def _reuse_prefix(self, group: KVGroup, row: int, seq: SequenceState) -> int:
-        """Copy the longest cached prefix into the row; returns the tokens reused."""
+    def _reuse_prefix(self, group: KVGroup, row: int, seq: SequenceState) -> None:
+        """Copy the longest cached prefix into a new row, which then holds it: its prefill
+        (whole or chunked) starts after it."""
         # Contrastive search needs the hidden state of every context token, which the
         # cache does not keep, so those sequences prefill in full.
         if self.prefix_cache is None or seq.contrastive:
-            return 0
+            return
         blocks, reuse = self.prefix_cache.match(seq.token_ids)
         self.prefix_cache.copy_into(blocks, reuse, group, row)
+        group.fill(row, reuse)
         seq.cached_tokens = reuse
-        return reuse
 
     def _emit(self, seqs: list[SequenceState], logits: torch.Tensor, result: StepResult) -> None:
         """Greedy and sampled sequences: choose from their logits rows [len(seqs), V]."""

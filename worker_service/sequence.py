@@ -62,6 +62,10 @@ class SequenceState:
     context_len: int = 0
     cached_tokens: int = 0
     pin_tokens: int = 0
+    # Chunked prefill: the tokens to prefill (token_ids when created), and how many of them
+    # the steps so far asked for. The row decodes once its KV holds all prompt_len.
+    prompt_len: int = 0
+    chunk_end: int = 0
     _ids_tensor: torch.Tensor | None = field(default=None, repr=False)
 
     @property

@@ -47,7 +47,7 @@ def params_from_proto(p: worker_pb2.SamplingParams) -> DecodingParams:
 
 def prefill_from_proto(ns: worker_pb2.NewSequence) -> PrefillSpec:
     return PrefillSpec(ns.sequence_id, list(ns.token_ids), ns.num_generated,
-                       params_from_proto(ns.params), ns.pin_tokens)
+                       params_from_proto(ns.params), ns.pin_tokens, ns.prefill_end)
 
 
 def token_to_proto(t: GeneratedToken) -> worker_pb2.SequenceToken:
@@ -178,7 +178,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _submit(self, engine: Engine, request) -> Future:
         prefill = [prefill_from_proto(ns) for ns in request.prefill]
         plan = [list(g.sequence_ids) for g in request.groups]
-        return self._compute.submit(engine.step, list(request.release), prefill, plan)
+        chunks = {c.sequence_id: c.end for c in request.chunks}
+        if len(chunks) != len(request.chunks):
+            failed: Future = Future()
+            failed.set_exception(StepError("a sequence has two prefill chunks in one Step"))
+            return failed
+        return self._compute.submit(engine.step, list(request.release), prefill, plan, chunks)
 
     def _response(self, request, result: StepResult) -> worker_pb2.StepResponse:
         if self.metrics is not None:

@@ -22,6 +22,9 @@ class PrefillSpec:
     num_generated: int
     params: DecodingParams
     pin_tokens: int = 0  # leading tokens from a cached_prompt: their blocks are pinned
+    # Tokens of token_ids this step prefills (chunked prefill); 0: all. Later steps' chunks
+    # (Engine.step's `chunks`) prefill the rest.
+    prefill_end: int = 0
 
 
 @dataclass
@@ -63,7 +66,9 @@ class StepResult:
 
 @dataclass
 class Prefill:
-    """A sequence whose tokens (after any cached prefix) a forward of this step prefills."""
+    """A sequence whose tokens (after any cached prefix) a forward of this step prefills:
+    its whole prompt, or one chunk of it."""
 
     seq: SequenceState
     segment: RowSegment
+    final: bool = True  # the prompt's last chunk: the sequence gets its first token now

@@ -89,18 +89,28 @@ class BeamParams(_message.Message):
     def __init__(self, num_beams: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[_Union[EarlyStopping, str]] = ..., num_return_sequences: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("sequence_id", "token_ids", "num_generated", "params", "pin_tokens")
+    __slots__ = ("sequence_id", "token_ids", "num_generated", "params", "pin_tokens", "prefill_end")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_END_FIELD_NUMBER: _ClassVar[int]
     sequence_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_generated: int
     params: SamplingParams
     pin_tokens: int
-    def __init__(self, sequence_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_generated: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., pin_tokens: _Optional[int] = ...) -> None: ...
+    prefill_end: int
+    def __init__(self, sequence_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_generated: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., pin_tokens: _Optional[int] = ..., prefill_end: _Optional[int] = ...) -> None: ...
+
+class PrefillChunk(_message.Message):
+    __slots__ = ("sequence_id", "end")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
+    end: int
+    def __init__(self, sequence_id: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class Group(_message.Message):
     __slots__ = ("sequence_ids",)
@@ -109,16 +119,18 @@ class Group(_message.Message):
     def __init__(self, sequence_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "release", "prefill", "groups")
+    __slots__ = ("step_id", "release", "prefill", "groups", "chunks")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     release: _containers.RepeatedScalarFieldContainer[int]
     prefill: _containers.RepeatedCompositeFieldContainer[NewSequence]
     groups: _containers.RepeatedCompositeFieldContainer[Group]
-    def __init__(self, step_id: _Optional[int] = ..., release: _Optional[_Iterable[int]] = ..., prefill: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ...) -> None: ...
+    chunks: _containers.RepeatedCompositeFieldContainer[PrefillChunk]
+    def __init__(self, step_id: _Optional[int] = ..., release: _Optional[_Iterable[int]] = ..., prefill: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("id", "logprob")
