@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     for rnd in range(args.rounds):
         for mode in ("off", "on"):
-            options = {"dtype": "bf16", "max_prefill_tokens": 256,
+            options = {"dtype": "bf16", "max_num_batched_tokens": 256,
                        "batch_invariant": str(mode == "on").lower()}
-            with Deployment(args.model, args.out / f"{mode}-{rnd}", {"max_prefill_tokens": 256},
+            with Deployment(args.model, args.out / f"{mode}-{rnd}", {"max_num_batched_tokens": 256},
                             options, start_timeout=600) as d:
                 _alone(d.address, 8)  # warm-up: first calls build oneDNN primitives
                 _batch(d.address, 8, args.batch)

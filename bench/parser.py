@@ -67,7 +67,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                    help="seqserve's batch limit, and vLLM's max_num_seqs (64)")
     g.add_argument("--server-option", action="append", metavar="KEY=VALUE",
                    help="any seqserve serving option for both processes, e.g. "
-                        "max_prefill_tokens=2048 (repeatable)")
+                        "max_num_batched_tokens=2048 (repeatable)")
     g.add_argument("--log-level", default="INFO")
 
     srv = argparse.ArgumentParser(add_help=False)

@@ -93,6 +93,9 @@ class Budget:
     # steps, so running sequences keep decoding and early arrivals get their first token
     # without waiting for every later prompt (the first admitted prompt always fits).
     prefill_tokens: int = 1 << 62
+    # Prompts may be prefilled in chunks (chunking.py): a request joins while any of
+    # prefill_tokens is left, its first chunk taking what its prompt needs of it.
+    chunked: bool = False
 
 
 class AdmissionPolicy(Protocol):
@@ -123,11 +126,11 @@ class FCFSAdmission:
             head = waiting.peek()
             if head is None or head.reserved_tokens > tokens:
                 break
-            if admitted and head.length > prefill:
+            if prefill <= 0 or (admitted and not budget.chunked and head.length > prefill):
                 break
             admitted.append(waiting.pop())
             slots -= 1
             tokens -= head.reserved_tokens
-            prefill -= head.length
+            prefill -= min(head.length, prefill)
         return admitted
 

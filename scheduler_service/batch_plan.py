@@ -1,9 +1,11 @@
-"""The per-iteration batch plan: who is released, who is prefilled, and the groups to run."""
+"""The per-iteration batch plan: who is released, who is prefilled (how far), and the
+groups to run."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from scheduler_service.chunking import Chunk
 from scheduler_service.partition import Partition, plan_partition
 from scheduler_service.sequence import Sequence
 
@@ -13,10 +15,25 @@ class StepPlan:
     """What one Step asks of the worker."""
 
     release: list[int]
-    prefill: list[Sequence]
+    prefill: list[Sequence]  # new on the worker this step
     groups: list[list[int]]  # sequence ids per group
     partition: Partition
     regrouped: bool  # the partition was recomputed (membership changed)
+    # The prompt tokens each sequence prefilling in this step prefills (new ones too).
+    chunks: dict[int, Chunk] = field(default_factory=dict)
+    # Sequences in the groups that get no token from this step: their prompt is not
+    # wholly prefilled after it.
+    no_token: frozenset[int] = frozenset()
+    partial_chunks: int = 0  # chunks that leave part of their prompt for later steps
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens this step prefills (before any prefix-cache hit)."""
+        return sum(c.end - c.start for c in self.chunks.values())
+
+    def token_ids(self) -> list[int]:
+        """The sequences this step gives a token."""
+        return [sid for g in self.groups for sid in g if sid not in self.no_token]
 
 
 class BatchPlanner:
@@ -33,24 +50,32 @@ class BatchPlanner:
         self._groups: list[list[int]] = []
         self._partition = Partition(groups=(), padding=0, sparsity=0.0)
 
-    def plan(self, running: list[Sequence], admitted: list[Sequence],
-             release: list[int]) -> StepPlan:
+    def plan(self, running: list[Sequence], admitted: list[Sequence], release: list[int],
+             chunks: dict[int, Chunk] | None = None) -> StepPlan:
+        """`running`: the sequences the worker holds that stay (decoding or prefilling);
+        `chunks`: the step's prompt chunks (chunking.StepBudget, which recorded them on the
+        sequences); those of sequences not in the batch (preempted) are left out."""
         batch = running + admitted
+        chunks = {s.seq_id: chunks[s.seq_id] for s in batch if s.seq_id in (chunks or {})}
+        no_token = frozenset(s.seq_id for s in batch if s.prefilling)
+        partial = sum(1 for sid in chunks if sid in no_token)
         members = frozenset(s.seq_id for s in batch)
         # A beam search is one row per beam on the worker, all of its length: the
         # partition sees each row, and keeps them together (equal lengths are never split).
         rows = [s for s in batch for _ in range(s.rows)]
         lengths = [s.length for s in rows]
         if members == self._members and not admitted:
-            # Same members, all one token longer: padding and optimality are unchanged.
+            # Same members, all one token longer (or, prefilling, counted whole already):
+            # padding and optimality are unchanged.
             part = self._partition
             shifted = Partition(groups=part.groups, padding=part.padding,
                                 sparsity=_sparsity(part.padding, sum(lengths)))
-            return StepPlan(release, [], self._groups, shifted, False)
+            return StepPlan(release, [], self._groups, shifted, False, chunks, no_token,
+                            partial)
         part = plan_partition(lengths, self.max_sparsity, self.max_splits)
         groups = [list(dict.fromkeys(rows[i].seq_id for i in g)) for g in part.groups]
         self._members, self._groups, self._partition = members, groups, part
-        return StepPlan(release, admitted, groups, part, True)
+        return StepPlan(release, admitted, groups, part, True, chunks, no_token, partial)
 
     def forget(self) -> None:
         """Drop the cached plan (after a worker restart every sequence is new again)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import grpc
 
 from scheduler_service.admission import AdmissionPolicy, Budget, FCFSAdmission, WaitingQueue
 from scheduler_service.batch_plan import BatchPlanner, StepPlan
+from scheduler_service.chunking import Chunk, StepBudget
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.output import emit_beams, emit_finish, emit_token
 from scheduler_service.preemption import preempt, take_off_worker
@@ -52,14 +52,16 @@ class _InFlight:
 class IterationLoop:
     def __init__(self, worker: WorkerClient, *, max_rolling_batch_size: int, max_queue: int,
                  max_sparsity: float, max_splits: int, worker_timeout: float,
-                 metrics: SchedulerMetrics, max_prefill_tokens: int, steps_in_flight: int,
-                 policy: AdmissionPolicy | None = None):  # None: FCFS
+                 metrics: SchedulerMetrics, max_num_batched_tokens: int, steps_in_flight: int,
+                 policy: AdmissionPolicy | None = None,  # None: FCFS
+                 enable_chunked_prefill: bool = True):
         assert worker.info is not None, "connect the worker before starting the loop"
         self.worker = worker
         self.name = worker.address  # the `worker` label of its metrics
         self._use(worker.info)
         self.max_batch = max_rolling_batch_size
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked = enable_chunked_prefill
         self.worker_timeout = worker_timeout
         self.metrics = metrics
         self.waiting = WaitingQueue(max_queue)
@@ -204,7 +206,9 @@ class IterationLoop:
                 await self._send(self._plan([], []))  # free the worker's KV now
                 return True
             return False
-        admitted = self._admit() if self.admitting else []
+        budget = StepBudget.for_step(self.max_num_batched_tokens, self.chunked, advancing)
+        admitted = self._admit(budget) if self.admitting else []
+        budget.take(admitted)
         advancing = [s for s in advancing if s.seq_id in self.running]  # less the preempted
         if not advancing and not admitted:
             if not self.running:
@@ -213,15 +217,15 @@ class IterationLoop:
                     self._fail(head, f"request needs {head.reserved_tokens} KV tokens; the "
                                      f"worker holds {self.kv_budget}")
             return False  # else wait for the steps in flight to end sequences
-        await self._send(self._plan(advancing, admitted))
+        await self._send(self._plan(advancing, admitted, budget.chunks))
         return True
 
-    def _admit(self) -> list[Sequence]:
+    def _admit(self, prefill: StepBudget) -> list[Sequence]:
         reserved = sum(s.reserved_tokens for s in self.running.values())
         slots = self.max_batch - len(self.running)
         if self._one_at_a_time > 0:
             slots = min(slots, 1)  # isolate the re-admitted sequences (see _recover)
-        budget = Budget(slots, self.kv_budget - reserved, self.max_prefill_tokens)
+        budget = Budget(slots, self.kv_budget - reserved, prefill.left, prefill.chunked)
         victims, budget = preempt(self.policy, self.waiting, self.running, budget)
         self.to_release += [s.seq_id for s in victims]
         self.metrics.preemptions.inc(len(victims))
@@ -230,16 +234,13 @@ class IterationLoop:
         self._one_at_a_time = max(0, self._one_at_a_time - len(admitted))
         now = time.monotonic()
         for s in admitted:
-            s.status = Status.RUNNING
-            if s.scheduled_time is None:
-                s.scheduled_time = now
+            if s.start_running(now):
                 self.metrics.observe_admission(s, now)
-            if s.sampling_seed is None:
-                s.sampling_seed = random.getrandbits(63)
         self.metrics.set_waiting(self.name, len(self.waiting))
         return admitted
 
-    def _plan(self, advancing: list[Sequence], admitted: list[Sequence]) -> StepPlan:
+    def _plan(self, advancing: list[Sequence], admitted: list[Sequence],
+              chunks: dict[int, Chunk] | None = None) -> StepPlan:
         release, self.to_release = self.to_release, []
         # A sequence whose last token is in flight leaves the worker now: the worker keeps
         # every sequence it holds in some group, and this one needs no more forwards. It
@@ -248,7 +249,7 @@ class IterationLoop:
             if not s.advancing and not s.released:
                 s.released = True
                 release.append(s.seq_id)
-        plan = self.planner.plan(advancing, admitted, release)
+        plan = self.planner.plan(advancing, admitted, release, chunks)
         for s in admitted:
             self.running[s.seq_id] = s
             s.admitted_step = self.step_id + 1  # the Step _send numbers next
@@ -258,9 +259,8 @@ class IterationLoop:
         t0 = time.perf_counter()
         self.step_id += 1
         self.waiting.tick()
-        for members in plan.groups:
-            for sid in members:
-                self.running[sid].in_flight += 1
+        for sid in plan.token_ids():
+            self.running[sid].in_flight += 1
         if self._stream is None:
             self._stream = self.worker.open_steps()
         t1 = time.perf_counter()

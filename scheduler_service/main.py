@@ -127,8 +127,9 @@ async def serve(cfg: ServingConfig, port_file: str | None,
         return IterationLoop(client, max_rolling_batch_size=cfg.max_rolling_batch_size,
                              max_queue=cfg.max_queue, max_sparsity=cfg.max_sparsity,
                              max_splits=cfg.max_splits, worker_timeout=cfg.worker_timeout,
-                             metrics=metrics, max_prefill_tokens=cfg.max_prefill_tokens,
-                             steps_in_flight=cfg.steps_in_flight, policy=new_policy())
+                             metrics=metrics, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                             steps_in_flight=cfg.steps_in_flight, policy=new_policy(),
+                             enable_chunked_prefill=cfg.enable_chunked_prefill)
 
     workers = WorkerPool(clients, make_loop, cfg.max_queue)
     workers.on_ready_change = lambda ready: asyncio.ensure_future(

@@ -14,6 +14,7 @@ _STEP = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 _SPARSITY = (0.0, 0.01, 0.025, 0.05, 0.1, 0.2, 0.33, 0.5, 0.6, 0.75, 0.9, 1.0)
 _SPLITS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 _BATCH = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 512)
+_PREFILL = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class SchedulerMetrics:
@@ -67,6 +68,13 @@ class SchedulerMetrics:
                                    buckets=_STEP, registry=r)
         self.prompt_tokens = Counter("seqserve_prompt_tokens_total", "Prompt tokens prefilled",
                                      registry=r)
+        self.step_prefill_tokens = Histogram(
+            "seqserve_step_prefill_tokens", "Prompt tokens a step prefills (whole prompts and "
+            "chunks; a prefix-cache hit makes the worker compute fewer)",
+            buckets=_PREFILL, registry=r)
+        self.partial_chunks = Counter(
+            "seqserve_prefill_partial_chunks_total", "Prompt chunks that left part of their "
+            "prompt for later steps (chunked prefill)", registry=r)
         self.generation_tokens = Counter("seqserve_generation_tokens_total",
                                          "Tokens generated", registry=r)
         self.prefix_hit_tokens = Counter("seqserve_prefix_cache_hit_tokens_total",
@@ -152,6 +160,9 @@ class SchedulerMetrics:
             self.sparsity.observe(plan.partition.sparsity)
         if plan.regrouped:
             self.regroups.inc()
+        if plan.chunks:
+            self.step_prefill_tokens.observe(plan.prefill_tokens)
+            self.partial_chunks.inc(plan.partial_chunks)
         self._kv[worker] = (answer.prefix_cache_bytes, answer.kv_slots, answer.kv_tokens)
         self.prefix_cache_bytes.set(sum(v[0] for v in self._kv.values()))
         self.padded_slots.set(sum(v[1] for v in self._kv.values()))

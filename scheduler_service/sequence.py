@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -78,6 +79,10 @@ class Sequence:
     pin_tokens: int = 0  # leading tokens of the cached_prompt (pinned in the prefix cache)
     sampling_seed: int | None = None  # fixed at admission so a re-prefill draws the same
     in_flight: int = 0  # tokens of this sequence in Steps sent but not yet answered
+    # Chunked prefill: the tokens to prefill when admitted (prompt, and those generated
+    # before a re-admission), and how many of them the Steps sent so far prefill.
+    prefill_target: int = 0
+    prefilled: int = 0
     worker: str = ""  # address of the worker it is placed on (worker_pool.py)
     released: bool = False  # the worker was told to drop it (its last token is in flight)
     # Beam search: steps the worker's beams advanced (their tokens come at the end), and
@@ -110,13 +115,35 @@ class Sequence:
     @property
     def length(self) -> int:
         """KV length of each of its rows once the Steps in flight are answered: prompt,
-        generated and in-flight tokens (what the partition balances)."""
+        generated and in-flight tokens (what the partition balances). A sequence still
+        prefilling counts its whole prompt: the worker reserves that room at once, and its
+        row then stays in one group over its chunks instead of moving as it grows."""
         return len(self.prompt_ids) + self.generated + self.in_flight
 
     @property
     def rows(self) -> int:
         """Rows it occupies on the worker: one, or one per beam."""
         return self.params.rows
+
+    def start_running(self, now: float) -> bool:
+        """Admitted into the running batch (again, after a preemption or a worker failure):
+        the worker prefills its prompt and any tokens it produced before. Returns whether
+        this is its first admission; its sampling seed is fixed then, so a re-prefill draws
+        the same tokens."""
+        self.status = Status.RUNNING
+        self.prefill_target, self.prefilled = len(self.prompt_ids) + len(self.output_ids), 0
+        if self.sampling_seed is None:
+            self.sampling_seed = random.getrandbits(63)
+        first = self.scheduled_time is None
+        if first:
+            self.scheduled_time = now
+        return first
+
+    @property
+    def prefilling(self) -> bool:
+        """Admitted, and part of its prompt is in no Step sent yet: no token comes back for it
+        until a Step with its last chunk."""
+        return self.prefilled < self.prefill_target
 
     @property
     def advancing(self) -> bool:

@@ -85,21 +85,27 @@ class StepAnswer:
 
 def encode_step(step_id: int, plan: StepPlan) -> worker_pb2.StepRequest:
     """The Step message of a plan. A prefilled sequence sends its prompt and the tokens it
-    generated before (a re-admission after a worker failure resumes where it was)."""
+    generated before (a re-admission after a worker failure resumes where it was), all at
+    once even when its first chunk prefills only part of them."""
     prefill = []
     for s in plan.prefill:
         p = s.params
+        token_ids = s.prompt_ids + s.output_ids
+        end = plan.chunks[s.seq_id].end if s.seq_id in plan.chunks else len(token_ids)
         prefill.append(worker_pb2.NewSequence(
-            sequence_id=s.seq_id, token_ids=s.prompt_ids + s.output_ids,
-            num_generated=len(s.output_ids), pin_tokens=s.pin_tokens,
+            sequence_id=s.seq_id, token_ids=token_ids, num_generated=len(s.output_ids),
+            pin_tokens=s.pin_tokens, prefill_end=0 if end == len(token_ids) else end,
             params=worker_pb2.SamplingParams(
                 strategy=p.strategy.to_proto(), temperature=p.temperature, top_k=p.top_k,
                 top_p=p.top_p, typical_p=p.typical_p, repetition_penalty=p.repetition_penalty,
                 seed=s.sampling_seed, penalty_alpha=p.penalty_alpha, logprobs=p.logprobs,
                 beam=_beam_params(p))))
+    new = {s.seq_id for s in plan.prefill}
     return worker_pb2.StepRequest(
         step_id=step_id, release=plan.release, prefill=prefill,
-        groups=[worker_pb2.Group(sequence_ids=g) for g in plan.groups])
+        groups=[worker_pb2.Group(sequence_ids=g) for g in plan.groups],
+        chunks=[worker_pb2.PrefillChunk(sequence_id=sid, end=c.end)
+                for sid, c in plan.chunks.items() if sid not in new])
 
 
 _EARLY_STOPPING = {False: worker_pb2.EARLY_STOPPING_FALSE, True: worker_pb2.EARLY_STOPPING_TRUE,

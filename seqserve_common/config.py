@@ -144,8 +144,15 @@ OPTIONS: tuple[Option, ...] = (
            lambda v: -1 <= v <= 65535, "worker Prometheus /metrics port"),
     Option("worker_addresses", _addresses, "comma-separated host:port list",
            help="the workers the scheduler drives, each a full replica (data parallel)"),
-    Option("max_prefill_tokens", int, "an integer >= 1", lambda v: v >= 1,
-           "prompt tokens admitted for prefill per step (one longer prompt still runs alone)"),
+    Option("max_num_batched_tokens", int,
+           "an integer >= 1 (tokens one step may compute: decoding rows and prompt chunks)",
+           lambda v: v >= 1,
+           "token budget of one step: decoding rows first, then prompt chunks fill the rest "
+           "(without chunked prefill: prompt tokens admitted per step, and one longer prompt "
+           "still runs alone); vLLM's option of the same name"),
+    Option("enable_chunked_prefill", _bool, "true or false",
+           help="split prompts longer than what a step's token budget leaves over several "
+                "steps, beside the decoding rows (false: each prompt is prefilled whole)"),
     Option("steps_in_flight", int, "an integer >= 1", lambda v: v >= 1,
            "Steps sent to the worker before the oldest is answered (1: each waits for the "
            "previous one's tokens)"),
@@ -211,6 +218,17 @@ OPTIONS: tuple[Option, ...] = (
            "a worker drops the sequences of a scheduler silent for this long"),
 )
 _BY_KEY = {o.key: o for o in OPTIONS}
+# Keys that were renamed: still read under their old name, with a warning, so that older
+# serving.properties files and OPTION_* variables keep working.
+RENAMED = {"max_prefill_tokens": "max_num_batched_tokens"}
+
+
+def _current_key(key: str | None, origin: str) -> str | None:
+    if key in RENAMED:
+        logger.warning("%s: option.%s is now option.%s; please rename it", origin, key,
+                       RENAMED[key])
+        return RENAMED[key]
+    return key
 
 
 @dataclass(frozen=True)
@@ -242,7 +260,8 @@ class ServingConfig:
     worker_port: int = 8100
     worker_metrics_port: int = 8101
     worker_addresses: tuple[str, ...] = ("127.0.0.1:8100",)
-    max_prefill_tokens: int = 4096
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
     steps_in_flight: int = 2
     scheduling_policy: str = "fcfs"
     priority_aging_steps: int = 64
@@ -323,14 +342,14 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
     if path is not None:
         text = Path(path).read_text()
         for raw_key, raw in parse_properties(text, str(path)).items():
-            key = _option_key(raw_key)
+            key = _current_key(_option_key(raw_key), str(path))
             if key not in _BY_KEY:
                 logger.warning("%s: unknown key %r ignored", path, raw_key)
                 continue
             values[key] = _convert(key, raw, str(path))
     for var, raw in env.items():
         if var.startswith("OPTION_"):
-            key = var[len("OPTION_"):].lower()
+            key = _current_key(var[len("OPTION_"):].lower(), "environment")
             if key not in _BY_KEY:
                 logger.warning("environment: unknown option %s ignored", var)
                 continue

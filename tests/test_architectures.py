@@ -63,7 +63,7 @@ async def _generate_all(address: str, jobs: list[tuple[str, dict]]) -> list:
 def test_architecture_matches_reference(arch, deploy):
     model_dir = odd_model(arch)
     # A small prefill budget keeps the start-up warm-up (one step of that many tokens) short.
-    d = deploy(model_dir, {"max_prefill_tokens": 256}, max_prefill_tokens=256)
+    d = deploy(model_dir, {"max_num_batched_tokens": 256}, max_num_batched_tokens=256)
     log = d.worker.log.read_text()
     assert ("FALLBACK" in log) == (PATHS[arch] == "fallback"), log[-3000:]
     assert "Traceback" not in log, log[-3000:]

@@ -4,13 +4,19 @@ tokens as model.generate, and no token before their last piece."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from dataclasses import dataclass
 
 import pytest
+from transformers import AutoTokenizer
+
+from bench.metrics import scrape
+from client import AsyncClient
 
 from seqserve_common.decoding import DecodingStrategy
 from tests import reference
+from tests.test_decoding import contrastive_reference
 from tests.test_engine import _reference
 from worker_service.engine import Engine, StepError
 from worker_service.model_runner import ModelRunner
@@ -86,7 +92,8 @@ def test_chunked_prompts_match_generate(runner, llama_dir):
     assert stats.hits == 2 and stats.hit_tokens >= 2 * 48, stats
     eos = runner.facts.eos_token_ids[0]
     for i, j in enumerate(jobs):
-        assert reference.same_until_eos(got[i], _reference(llama_dir, j.prompt, j.new_tokens), eos), f"job {i}"
+        expected = _reference(llama_dir, j.prompt, j.new_tokens)
+        assert reference.same_until_eos(got[i], expected, eos), f"job {i}"
 
 
 def test_chunked_contrastive_equals_whole_prompts(runner):
@@ -117,3 +124,38 @@ def test_bad_chunks_are_refused(runner):
     assert engine.step([], [], [[1]], {1: 40}).tokens[0].seq_id == 1
     with pytest.raises(StepError, match="past the 40 tokens"):
         engine.step([], [], [[1]], {1: 40})  # decoding now: nothing left to prefill
+
+
+# --- over the real processes ----------------------------------------------------------------
+
+async def _generate_all(address: str, jobs: list[tuple[str, dict]], n: int) -> list:
+    async with AsyncClient(address, timeout=300) as c:
+        return await asyncio.gather(*(c.generate(p, max_new_tokens=n, **params)
+                                      for p, params in jobs))
+
+
+def test_chunked_prefill_over_real_processes_matches_generate(llama_dir, deploy):
+    """A 64-token step budget: prompts up to 3x longer are prefilled over several steps
+    while short ones and decoding rows share them; greedy replies equal generate, a
+    contrastive one equals its definition, and a prompt whose prefix the worker cached
+    is chunked from where the cache ends."""
+    budget = {"max_num_batched_tokens": 64}
+    d = deploy(llama_dir, budget, prompt_cache_block_tokens=16, **budget)
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    rng = random.Random(7)
+    prompts = [reference.prompt_of_tokens(tok, n, rng) for n in (190, 3, 130, 20, 70)]
+    contrastive = dict(decoding_strategy="contrastive", penalty_alpha=0.6, top_k=4)
+    jobs = [(p, {}) for p in prompts] + [(prompts[4], contrastive)]
+    replies = asyncio.run(_generate_all(d.address, jobs, 12))
+    sched = scrape(d.metrics_url)
+    assert sched["seqserve_prefill_partial_chunks_total"] >= 4, "long prompts were split"
+    # The longest prompt again, plus a turn: its cached prefix, then the rest in chunks.
+    longer = prompts[0] + " the king said"
+    (again,) = asyncio.run(_generate_all(d.address, [(longer, {})], 12))
+    assert again.cached_tokens >= 176
+    for (prompt, params), reply in zip(jobs + [(longer, {})], replies + [again]):
+        if params:
+            expected = contrastive_reference(llama_dir, prompt, 12, 4, 0.6)
+        else:
+            expected = reference.greedy(llama_dir, prompt, 12)
+        assert reply.token_ids == expected, f"{params} prompt of {len(tok(prompt).input_ids)}"

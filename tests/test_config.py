@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 
@@ -58,6 +60,9 @@ def test_env_overrides_file_and_flags_override_env(tmp_path):
     ("option.trust_remote_code=maybe", "option.trust_remote_code"),
     ("option.max_rolling_batch_size=0", "option.max_rolling_batch_size"),
     ("option.worker_addresses=nohostport", "option.worker_addresses"),
+    ("option.max_num_batched_tokens=0", "option.max_num_batched_tokens"),
+    ("option.max_num_batched_tokens=-16", "option.max_num_batched_tokens"),
+    ("option.enable_chunked_prefill=sometimes", "option.enable_chunked_prefill"),
 ])
 def test_bad_values_name_key_and_value(tmp_path, line, key):
     path = tmp_path / "serving.properties"
@@ -74,6 +79,25 @@ def test_unknown_key_warns(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         load_config(path, env={})
     assert "option.max_spasity" in caplog.text
+
+
+def test_renamed_prefill_budget_key_still_reads(tmp_path, caplog):
+    path = tmp_path / "serving.properties"
+    path.write_text("option.max_prefill_tokens=512\n")
+    with caplog.at_level(logging.WARNING):
+        assert load_config(path, env={}).max_num_batched_tokens == 512
+    assert "option.max_num_batched_tokens" in caplog.text
+    assert load_config(None, env={"OPTION_MAX_PREFILL_TOKENS": "64"}).max_num_batched_tokens == 64
+
+
+@pytest.mark.parametrize("service", ["scheduler_service.main", "worker_service.main"])
+def test_a_token_budget_below_one_token_stops_start_up(service):
+    """Both processes exit at once with a usage error that names the option and the value."""
+    proc = subprocess.run([sys.executable, "-m", service, "--model-id", "unused",
+                           "--max-num-batched-tokens", "0"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "option.max_num_batched_tokens='0'" in proc.stderr and ">= 1" in proc.stderr
 
 
 def test_parse_properties_comments():

@@ -727,7 +727,7 @@ def test_recovery_isolates_a_request_the_worker_cannot_run():
         worker = FailingWorker(poison=3)
         loop = IterationLoop(worker, max_rolling_batch_size=8, max_queue=16, max_sparsity=0.5,
                              max_splits=2, worker_timeout=5, metrics=SchedulerMetrics(),
-                             max_prefill_tokens=4096, steps_in_flight=2)
+                             max_num_batched_tokens=4096, steps_in_flight=2)
         seqs = [greedy_sequence(loop, tok, f"request number {i}", 5) for i in range(6)]
         task, ends = await run_to_the_end(loop, seqs)
         loop.stop()

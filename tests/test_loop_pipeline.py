@@ -26,7 +26,8 @@ TOKEN = 5
 
 
 class RuleKeepingStream:
-    """Answers Steps in order; sequence `eos_seq` samples EOS as its `eos_at`-th token."""
+    """Answers Steps in order; sequence `eos_seq` samples EOS as its `eos_at`-th token. A
+    prompt's chunks must follow one another, and only a wholly prefilled one gets tokens."""
 
     def __init__(self, worker):
         self.worker = worker
@@ -45,11 +46,25 @@ class RuleKeepingStream:
                 raise StepFailed("FAILED_PRECONDITION", f"release of unknown sequence {sid}")
             w.live.discard(sid)
         w.live |= {s.seq_id for s in plan.prefill}
+        for s in plan.prefill:
+            w.prompt[s.seq_id] = w.prefilled[s.seq_id] = len(s.prompt_ids) + len(s.output_ids)
+            if s.seq_id in plan.chunks:
+                w.prefilled[s.seq_id] = 0
+        for sid, chunk in plan.chunks.items():
+            if chunk.start != w.prefilled[sid] or not chunk.start < chunk.end <= w.prompt[sid]:
+                raise StepFailed("FAILED_PRECONDITION", f"chunk {chunk} of {sid} does not "
+                                 f"follow its {w.prefilled[sid]} prefilled tokens")
+            w.prefilled[sid] = chunk.end
+            w.chunks[sid] = w.chunks.get(sid, 0) + 1
         grouped = [sid for g in plan.groups for sid in g]
         if sorted(grouped) != sorted(w.live):
             raise StepFailed("FAILED_PRECONDITION", f"groups {grouped} != live {sorted(w.live)}")
         tokens = []
         for sid in grouped:
+            if (w.prefilled[sid] < w.prompt[sid]) != (sid in plan.no_token):
+                raise StepFailed("INTERNAL", f"plan expects a token of {sid} wrongly")
+            if sid in plan.no_token:
+                continue
             w.forwards[sid] = w.forwards.get(sid, 0) + 1
             token = EOS if (sid == w.eos_seq and w.forwards[sid] == w.eos_at) else TOKEN
             tokens.append(StepToken(sid, token, cached_tokens=0))
@@ -67,6 +82,9 @@ class RuleKeepingWorker:
                                eos_token_ids=frozenset([EOS]), max_position_embeddings=2048,
                                dtype="float32", device="cpu", kv_capacity_tokens=100000)
         self.live: set[int] = set()
+        self.prompt: dict[int, int] = {}  # tokens to prefill per sequence
+        self.prefilled: dict[int, int] = {}
+        self.chunks: dict[int, int] = {}  # chunks each sequence was prefilled in
         self.forwards: dict[int, int] = {}
         self.max_outstanding = 0
         self.eos_seq, self.eos_at = eos_seq, eos_at
@@ -79,11 +97,15 @@ class RuleKeepingWorker:
         return self.info
 
 
+@pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("in_flight", [1, 2])
-def test_steps_in_flight_release_at_the_length_limit_and_drop_tokens_past_eos(in_flight):
+def test_steps_in_flight_release_at_the_length_limit_and_drop_tokens_past_eos(in_flight,
+                                                                             chunked):
     """Length-bound sequences run exactly max_new_tokens forwards, even with the next Step
     sent before the last one is answered; a sequence that samples EOS gets one wasted
-    forward per extra Step in flight, and its client sees nothing past EOS."""
+    forward per extra Step in flight, and its client sees nothing past EOS. With chunked
+    prefill, prompts longer than the 8-token budget are prefilled over several Steps, in
+    order, and get no token before their last chunk."""
     tok = AutoTokenizer.from_pretrained(str(tiny_model("llama")))
     limits = [1, 2, 3, 5, 8, 13, 4, 9]
     worker = RuleKeepingWorker(eos_seq=4, eos_at=3)  # seq 4 (max 5) ends on EOS at token 3
@@ -91,7 +113,8 @@ def test_steps_in_flight_release_at_the_length_limit_and_drop_tokens_past_eos(in
     async def scenario():
         loop = IterationLoop(worker, max_rolling_batch_size=4, max_queue=16, max_sparsity=0.3,
                              max_splits=2, worker_timeout=5, metrics=SchedulerMetrics(),
-                             max_prefill_tokens=8, steps_in_flight=in_flight)
+                             max_num_batched_tokens=8, steps_in_flight=in_flight,
+                             enable_chunked_prefill=chunked)
         seqs = [greedy_sequence(loop, tok, f"request {i} " + "word " * i, n)
                 for i, n in enumerate(limits)]
         task, ends = await run_to_the_end(loop, seqs)
@@ -105,6 +128,8 @@ def test_steps_in_flight_release_at_the_length_limit_and_drop_tokens_past_eos(in
 
     seqs, ends = asyncio.run(scenario())
     assert worker.max_outstanding == in_flight
+    most_chunks = max(worker.chunks.values())
+    assert most_chunks > 2 if chunked else most_chunks == 1
     assert not worker.live, "every sequence was released from the worker"
     for s, ev, n in zip(seqs, ends, limits):
         if s.seq_id == worker.eos_seq:

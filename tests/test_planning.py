@@ -1,4 +1,5 @@
-"""Pure scheduler logic: waiting queue, FCFS admission, batch plans. No gRPC, no model."""
+"""Pure scheduler logic: waiting queue, FCFS admission, batch plans, the token budget of
+chunked prefill and the Step message. No gRPC, no model."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import pytest
 
 from scheduler_service.admission import Budget, FCFSAdmission, QueueFull, WaitingQueue
 from scheduler_service.batch_plan import BatchPlanner
+from scheduler_service.chunking import Chunk, StepBudget
 from scheduler_service.params import DecodingConfig
 from scheduler_service.sequence import Sequence
+from scheduler_service.worker_client import encode_step
 from seqserve_common.decoding import DecodingStrategy
 
 
@@ -71,3 +74,80 @@ def test_planner_reuses_partition_until_membership_changes():
     left = planner.plan(running[:3], [], [4])
     assert left.regrouped and left.release == [4]
     assert sorted(sum(left.groups, [])) == [1, 2, 3]
+
+
+# --- chunked prefill: the step's token budget (chunking.py) --------------------------------
+
+def admitted(s: Sequence) -> Sequence:
+    """As the loop admits it: its prompt and output are to be prefilled."""
+    s.prefill_target, s.prefilled = s.length, 0
+    return s
+
+
+def test_decoding_rows_come_first_then_chunks_fill_the_budget():
+    decoding = [seq(1, 50, generated=3), seq(2, 40, generated=1)]
+    contrastive = seq(3, 30, generated=2)
+    contrastive.params = DecodingConfig(max_new_tokens=10, strategy=DecodingStrategy.CONTRASTIVE,
+                                        top_k=4, penalty_alpha=0.6)
+    long, short = admitted(seq(4, 300)), admitted(seq(5, 20))
+    budget = StepBudget.for_step(100, True, decoding + [contrastive, long])
+    assert budget.left == 100 - 1 - 1 - 4  # the prefilling row costs nothing by itself
+    # 94 tokens left: the long prompt's chunk ends on a multiple of 32 (64), the rest
+    # packs the short prompt whole.
+    assert budget.take([long, short]) == {4: Chunk(0, 64), 5: Chunk(0, 20)}
+    assert budget.left == 10 and long.prefilling and not short.prefilling
+    assert StepBudget.for_step(100, True, decoding).take([long]) == {4: Chunk(64, 160)}
+
+
+def test_a_prompt_longer_than_the_budget_is_split_over_steps_in_order():
+    long = admitted(seq(1, 1000))
+    chunks = []
+    while long.prefilling:
+        chunks += StepBudget.for_step(256, True, []).take([long]).values()
+    assert chunks == [Chunk(0, 256), Chunk(256, 512), Chunk(512, 768), Chunk(768, 1000)]
+    # A budget smaller than an aligned piece still moves the prompt along, and the next
+    # piece gets back onto the 32-token grid.
+    small = admitted(seq(2, 50))
+    assert StepBudget.for_step(20, True, []).take([small]) == {2: Chunk(0, 20)}
+    assert StepBudget.for_step(20, True, []).take([small]) == {2: Chunk(20, 32)}
+    assert StepBudget.for_step(20, True, []).take([small]) == {2: Chunk(32, 50)}
+
+
+def test_without_chunking_every_prompt_is_whole_and_the_budget_untouched():
+    a, b = admitted(seq(1, 3000)), admitted(seq(2, 10))
+    budget = StepBudget.for_step(256, False, [seq(3, 5, generated=1)])
+    assert budget.take([a, b]) == {1: Chunk(0, 3000), 2: Chunk(0, 10)}
+    assert budget.left == 256 and not budget.chunked
+
+
+def test_chunked_admission_takes_requests_while_budget_is_left():
+    q = WaitingQueue(10)
+    for i, n in enumerate([300, 300, 300]):
+        q.push(seq(i, n))
+    # A 700-token budget: the first two whole, the third gets the last 100 as a chunk.
+    budget = Budget(free_slots=10, free_kv_tokens=10**6, prefill_tokens=700, chunked=True)
+    assert [s.seq_id for s in FCFSAdmission().admit(q, budget)] == [0, 1, 2]
+    q.push(seq(3, 5))
+    empty = Budget(free_slots=10, free_kv_tokens=10**6, prefill_tokens=0, chunked=True)
+    assert FCFSAdmission().admit(q, empty) == []
+
+
+def test_plan_expects_no_token_from_a_prompt_in_mid_prefill():
+    planner = BatchPlanner(max_sparsity=0.1, max_splits=3)
+    running = [admitted(seq(1, 40)), admitted(seq(2, 500))]
+    chunks = StepBudget.for_step(128, True, []).take(running)
+    plan = planner.plan([], running, [], chunks)
+    assert plan.no_token == {2} and plan.token_ids() == [1]
+    assert plan.prefill_tokens == 40 + 64 and plan.partial_chunks == 1
+    # The prefilling row counts its whole prompt, so its chunks do not move it.
+    assert [2] in plan.groups
+    running[0].in_flight = 1
+    chunks = StepBudget.for_step(128, True, running).take([running[1]])
+    again = planner.plan(running, [], [], chunks)
+    assert not again.regrouped and again.groups == plan.groups and again.no_token == {2}
+    message = encode_step(7, again)
+    assert [(c.sequence_id, c.end) for c in message.chunks] == [(2, 64 + 127 - 127 % 32)]
+    assert list(message.prefill) == []
+    first = encode_step(6, plan)
+    assert {n.sequence_id: n.prefill_end for n in first.prefill} == {1: 0, 2: 64}
+    assert len(first.prefill[1].token_ids) == 500 and list(first.chunks) == []

@@ -106,7 +106,7 @@ def scenario(policy, in_flight: int):
     async def run():
         loop = IterationLoop(worker, max_rolling_batch_size=2, max_queue=16, max_sparsity=0.3,
                              max_splits=2, worker_timeout=5, metrics=metrics,
-                             max_prefill_tokens=4096, steps_in_flight=in_flight, policy=policy)
+                             max_num_batched_tokens=4096, steps_in_flight=in_flight, policy=policy)
         low = [request(loop, 8, 40, priority=5), request(loop, 12, 40, priority=5)]
         for s in low:
             loop.submit(s)

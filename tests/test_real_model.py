@@ -29,8 +29,8 @@ PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, i
            "List three primary colors:")
 MAX_NEW_TOKENS = 24
 CHAT_QUESTION = "What is the capital of France?"
-# Keeps the worker's warm-up prefill (max_prefill_tokens throwaway tokens) short.
-SMALL_STEPS = {"max_prefill_tokens": 256}
+# Keeps the worker's warm-up prefill (max_num_batched_tokens throwaway tokens) short.
+SMALL_STEPS = {"max_num_batched_tokens": 256}
 
 
 @pytest.fixture(scope="module")

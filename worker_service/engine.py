@@ -79,7 +79,7 @@ class Engine:
 
     def warm_up(self, num_tokens: int, chunk: int = 256, premap_bytes: int = 0) -> float:
         """Prefill `num_tokens` throwaway tokens in one forward, as the largest step the
-        scheduler may send (max_prefill_tokens), then drop them. As TGI's warm-up does, this
+        scheduler may send (max_num_batched_tokens), then drop them. As TGI's warm-up does, this
         shows at start that such a step fits in memory, and it maps the activation memory
         and loads the kernels of those shapes before the first request pays for them.
         On CPU it also maps `premap_bytes` of host memory for KV buffers. Returns the

@@ -185,14 +185,14 @@ def main(argv: list[str] | None = None) -> int:
         # Every call that changes the engine or runs the model reaches every rank.
         engine = LeaderEngine(engine)
     try:
-        seconds = engine.warm_up(cfg.max_prefill_tokens,
+        seconds = engine.warm_up(cfg.max_num_batched_tokens,
                                  premap_bytes=min(cfg.kv_cache_bytes, PREMAP_BYTES))
     except Exception:
         logger.exception("warm-up: a %d-token prefill step failed on this device; lower "
-                         "option.max_prefill_tokens", cfg.max_prefill_tokens)
+                         "option.max_num_batched_tokens", cfg.max_num_batched_tokens)
         server.stop(0)
         return 1
-    logger.info("warm-up: a %d-token prefill step took %.2f s", cfg.max_prefill_tokens, seconds)
+    logger.info("warm-up: a %d-token prefill step took %.2f s", cfg.max_num_batched_tokens, seconds)
     servicer.attach(engine)
     threading.Thread(target=servicer.watch_lease, args=(stop_lease,), name="lease",
                      daemon=True).start()

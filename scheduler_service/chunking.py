@@ -1,0 +1,85 @@
+"""Chunked prefill (Dynamic SplitFuse, as vLLM and DeepSpeed-FastGen do it): the token
+budget of one step.
+
+Every step computes at most `max_num_batched_tokens` tokens. The decoding rows go first
+(one token each, a contrastive row its top-k candidates), since delaying them is what
+makes inter-token latency spike when a long prompt arrives; prompt chunks fill what is
+left, oldest prompt first, so a long prompt is prefilled over several steps and short ones
+are packed together to fill the budget. A sequence gets its first token with its last
+chunk. Free of gRPC and of the loop's state, so it is unit-tested on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from scheduler_service.sequence import Sequence
+from seqserve_common.decoding import DecodingStrategy
+
+# A chunk that leaves part of its prompt for later ends on a multiple of this: the matrix
+# products run on whole tiles, and a chunk then ends on a prefix-cache block boundary
+# (16-token blocks by default). Only the budget's last < 32 tokens may go unused.
+CHUNK_ALIGN = 32
+
+
+def decode_tokens(seq: Sequence) -> int:
+    """Tokens a decoding sequence puts into the step's forward: one per row (a beam search
+    has one per beam), a contrastive one its top-k candidates."""
+    p = seq.params
+    return max(p.top_k, 1) if p.strategy == DecodingStrategy.CONTRASTIVE else seq.rows
+
+
+class Chunk(NamedTuple):
+    """Tokens [start, end) of a sequence's prompt, prefilled in one step."""
+
+    start: int
+    end: int
+
+
+class StepBudget:
+    """What is left of one step's prompt-token budget as the loop hands it out, and the
+    chunks handed out so far (sequence id -> Chunk)."""
+
+    def __init__(self, left: int, chunked: bool):
+        self.left = left
+        self.chunked = chunked  # else every prompt is prefilled whole
+        self.chunks: dict[int, Chunk] = {}
+
+    @classmethod
+    def for_step(cls, max_num_batched_tokens: int, chunked: bool,
+                 running: Iterable[Sequence]) -> StepBudget:
+        """The step's budget for prompts once the running sequences had theirs: with
+        chunking, what the decoding rows leave of max_num_batched_tokens (may be <= 0),
+        less the next chunks of the prompts begun (oldest first). What is left is for
+        new requests (`take` their chunks once admitted)."""
+        running = list(running)
+        if not chunked:
+            return cls(max_num_batched_tokens, False)
+        budget = cls(max_num_batched_tokens - sum(decode_tokens(s) for s in running
+                                                  if not s.prefilling), True)
+        budget.take(s for s in running if s.prefilling)
+        return budget
+
+    def take(self, seqs: Iterable[Sequence]) -> dict[int, Chunk]:
+        """The chunk of each sequence of `seqs` that gets one, in their order, paid from
+        the budget and recorded on the sequence (`prefilled`). A chunk that does not finish
+        its prompt is cut down to end on a multiple of CHUNK_ALIGN when that still leaves
+        it a token. Without chunking every prompt is whole and the budget untouched (the
+        admission policy spends it)."""
+        chunks: dict[int, Chunk] = {}
+        for s in seqs:
+            start, need = s.prefilled, s.prefill_target - s.prefilled
+            if need <= 0:
+                continue
+            if self.chunked and self.left <= 0:
+                break
+            end = start + (min(need, self.left) if self.chunked else need)
+            if end < s.prefill_target and end - end % CHUNK_ALIGN > start:
+                end -= end % CHUNK_ALIGN
+            chunks[s.seq_id] = Chunk(start, end)
+            s.prefilled = end
+            if self.chunked:
+                self.left -= end - start
+        self.chunks.update(chunks)
+        return chunks
