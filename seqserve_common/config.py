@@ -367,8 +367,10 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--properties", metavar="FILE",
                         help="serving.properties file (default: $SERVING_PROPERTIES if set)")
     group = parser.add_argument_group("options (override the file and OPTION_* variables)")
+    old_names = {new: old for old, new in RENAMED.items()}
     for opt in OPTIONS:
-        group.add_argument(f"--{opt.key.replace('_', '-')}", dest=f"opt_{opt.key}", metavar="V",
+        names = [f"--{key.replace('_', '-')}" for key in (opt.key, old_names.get(opt.key)) if key]
+        group.add_argument(*names, dest=f"opt_{opt.key}", metavar="V",
                            help=f"{opt.help} [{opt.allowed}; default {opt.default}]")
 
 

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import subprocess
 import sys
 
 import pytest
 
-from seqserve_common.config import ConfigError, load_config, parse_properties
+from seqserve_common.config import (
+    ConfigError,
+    add_config_arguments,
+    config_from_args,
+    load_config,
+    parse_properties,
+)
 
 SEED_EXAMPLE = """\
 # serving.properties
@@ -88,6 +95,10 @@ def test_renamed_prefill_budget_key_still_reads(tmp_path, caplog):
         assert load_config(path, env={}).max_num_batched_tokens == 512
     assert "option.max_num_batched_tokens" in caplog.text
     assert load_config(None, env={"OPTION_MAX_PREFILL_TOKENS": "64"}).max_num_batched_tokens == 64
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    args = parser.parse_args(["--max-prefill-tokens", "32"])
+    assert config_from_args(args).max_num_batched_tokens == 32
 
 
 @pytest.mark.parametrize("service", ["scheduler_service.main", "worker_service.main"])
