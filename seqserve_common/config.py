@@ -144,12 +144,9 @@ OPTIONS: tuple[Option, ...] = (
            lambda v: -1 <= v <= 65535, "worker Prometheus /metrics port"),
     Option("worker_addresses", _addresses, "comma-separated host:port list",
            help="the workers the scheduler drives, each a full replica (data parallel)"),
-    Option("max_num_batched_tokens", int,
-           "an integer >= 1 (tokens one step may compute: decoding rows and prompt chunks)",
-           lambda v: v >= 1,
-           "token budget of one step: decoding rows first, then prompt chunks fill the rest "
-           "(without chunked prefill: prompt tokens admitted per step, and one longer prompt "
-           "still runs alone); vLLM's option of the same name"),
+    Option("max_num_batched_tokens", int, "an integer >= 1 (tokens one step may compute)",
+           lambda v: v >= 1, "token budget of a step: decoding rows, then prompt chunks (no "
+           "chunked prefill: prompt tokens admitted per step); as vLLM's option"),
     Option("enable_chunked_prefill", _bool, "true or false",
            help="split prompts longer than what a step's token budget leaves over several "
                 "steps, beside the decoding rows (false: each prompt is prefilled whole)"),
@@ -225,10 +222,8 @@ RENAMED = {"max_prefill_tokens": "max_num_batched_tokens"}
 
 def _current_key(key: str | None, origin: str) -> str | None:
     if key in RENAMED:
-        logger.warning("%s: option.%s is now option.%s; please rename it", origin, key,
-                       RENAMED[key])
-        return RENAMED[key]
-    return key
+        logger.warning("%s: option.%s is now option.%s", origin, key, RENAMED[key])
+    return RENAMED.get(key, key)
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ def test_planner_reuses_partition_until_membership_changes():
 
 def admitted(s: Sequence) -> Sequence:
     """As the loop admits it: its prompt and output are to be prefilled."""
-    s.prefill_target, s.prefilled = s.length, 0
+    s.start_running(now=0.0)
     return s
 
 
@@ -90,20 +90,24 @@ def test_decoding_rows_come_first_then_chunks_fill_the_budget():
     contrastive.params = DecodingConfig(max_new_tokens=10, strategy=DecodingStrategy.CONTRASTIVE,
                                         top_k=4, penalty_alpha=0.6)
     long, short = admitted(seq(4, 300)), admitted(seq(5, 20))
+    long.prefilled = 10  # begun in an earlier step
     budget = StepBudget.for_step(100, True, decoding + [contrastive, long])
-    assert budget.left == 100 - 1 - 1 - 4  # the prefilling row costs nothing by itself
-    # 94 tokens left: the long prompt's chunk ends on a multiple of 32 (64), the rest
-    # packs the short prompt whole.
-    assert budget.take([long, short]) == {4: Chunk(0, 64), 5: Chunk(0, 20)}
-    assert budget.left == 10 and long.prefilling and not short.prefilling
-    assert StepBudget.for_step(100, True, decoding).take([long]) == {4: Chunk(64, 160)}
+    # The decoding rows leave 100 - 1 - 1 - 4 = 94 tokens: the prompt begun takes its next
+    # chunk first, cut to end on a multiple of 32 (10 + 94 = 104 -> 96) ...
+    assert budget.chunks == {4: Chunk(10, 96)} and budget.left == 94 - 86
+    # ... and what is left goes to a request admitted now.
+    assert budget.take([short]) == {5: Chunk(0, 8)}
+    assert budget.chunks == {4: Chunk(10, 96), 5: Chunk(0, 8)} and budget.left == 0
+    assert long.prefilling and short.prefilling
+    assert StepBudget.for_step(100, True, [long, short]).chunks == {4: Chunk(96, 192),
+                                                                   5: Chunk(8, 12)}
 
 
 def test_a_prompt_longer_than_the_budget_is_split_over_steps_in_order():
     long = admitted(seq(1, 1000))
     chunks = []
     while long.prefilling:
-        chunks += StepBudget.for_step(256, True, []).take([long]).values()
+        chunks += StepBudget.for_step(256, True, [long]).chunks.values()
     assert chunks == [Chunk(0, 256), Chunk(256, 512), Chunk(512, 768), Chunk(768, 1000)]
     # A budget smaller than an aligned piece still moves the prompt along, and the next
     # piece gets back onto the 32-token grid.
@@ -142,8 +146,7 @@ def test_plan_expects_no_token_from_a_prompt_in_mid_prefill():
     # The prefilling row counts its whole prompt, so its chunks do not move it.
     assert [2] in plan.groups
     running[0].in_flight = 1
-    chunks = StepBudget.for_step(128, True, running).take([running[1]])
-    again = planner.plan(running, [], [], chunks)
+    again = planner.plan(running, [], [], StepBudget.for_step(128, True, running).chunks)
     assert not again.regrouped and again.groups == plan.groups and again.no_token == {2}
     message = encode_step(7, again)
     assert [(c.sequence_id, c.end) for c in message.chunks] == [(2, 64 + 127 - 127 % 32)]
