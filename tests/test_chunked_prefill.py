@@ -16,6 +16,7 @@ from client import AsyncClient
 
 from seqserve_common.decoding import DecodingStrategy
 from tests import reference
+from tests.test_beam import beam_reference
 from tests.test_decoding import contrastive_reference
 from tests.test_engine import _reference
 from worker_service.engine import Engine, StepError
@@ -138,14 +139,16 @@ def test_chunked_prefill_over_real_processes_matches_generate(llama_dir, deploy)
     """A 64-token step budget: prompts up to 3x longer are prefilled over several steps
     while short ones and decoding rows share them; greedy replies equal generate, a
     contrastive one equals its definition, and a prompt whose prefix the worker cached
-    is chunked from where the cache ends."""
+    is chunked from where the cache ends. A beam search prefills its prompt in chunks in
+    one row before it becomes one row per beam, and equals generate(num_beams=3)."""
     budget = {"max_num_batched_tokens": 64}
     d = deploy(llama_dir, budget, prompt_cache_block_tokens=16, **budget)
     tok = AutoTokenizer.from_pretrained(llama_dir)
     rng = random.Random(7)
     prompts = [reference.prompt_of_tokens(tok, n, rng) for n in (190, 3, 130, 20, 70)]
     contrastive = dict(decoding_strategy="contrastive", penalty_alpha=0.6, top_k=4)
-    jobs = [(p, {}) for p in prompts] + [(prompts[4], contrastive)]
+    beams = dict(num_beams=3, num_return_sequences=2)
+    jobs = [(p, {}) for p in prompts] + [(prompts[4], contrastive), (prompts[2], beams)]
     replies = asyncio.run(_generate_all(d.address, jobs, 12))
     sched = scrape(d.metrics_url)
     assert sched["seqserve_prefill_partial_chunks_total"] >= 4, "long prompts were split"
@@ -154,6 +157,10 @@ def test_chunked_prefill_over_real_processes_matches_generate(llama_dir, deploy)
     (again,) = asyncio.run(_generate_all(d.address, [(longer, {})], 12))
     assert again.cached_tokens >= 176
     for (prompt, params), reply in zip(jobs + [(longer, {})], replies + [again]):
+        if "num_beams" in params:
+            expected = [ids for ids, _ in beam_reference(llama_dir, prompt, 12, **params)]
+            assert [s.token_ids for s in reply.sequences] == expected
+            continue
         if params:
             expected = contrastive_reference(llama_dir, prompt, 12, 4, 0.6)
         else:
