@@ -31,7 +31,7 @@ MULTI_QUERY = ("gemma3", "starcoder2")
 FAST = ("gemma2", "mixtral")  # softcap + alternating windows; experts
 PROMPT_TOKENS = (2, 9, 23, 41)
 NEW_TOKENS = 16
-TP2 = {"tensor_parallel_degree": 2, "max_prefill_tokens": 256}
+TP2 = {"tensor_parallel_degree": 2, "max_num_batched_tokens": 256}
 TIMEOUT = 300
 
 
@@ -65,11 +65,11 @@ def _run_batch_then_cache_hit(address: str, prompts: list[str]) -> list[list[int
 def test_two_ranks_answer_as_one_worker(deploy):
     model = tiny_model("llama")
     prompts = _prompts(model, "llama")
-    one = deploy(model, {"max_prefill_tokens": 256}, max_prefill_tokens=256)
+    one = deploy(model, {"max_num_batched_tokens": 256}, max_num_batched_tokens=256)
     expected = _run_batch_then_cache_hit(one.address, prompts)
     one_bytes = _bytes_per_token(one.worker.log.read_text())
     one.stop()
-    group = deploy(model, TP2, max_prefill_tokens=256)
+    group = deploy(model, TP2, max_num_batched_tokens=256)
     got = _run_batch_then_cache_hit(group.address, prompts)
     assert got == expected
     assert expected == [reference.greedy(model, p, NEW_TOKENS) for p in prompts]
@@ -89,7 +89,7 @@ def test_architecture_with_a_plan_matches_one_worker(arch, deploy):
     so the group's must too."""
     model = odd_model(arch)
     prompts = _prompts(model, arch)
-    group = deploy(model, TP2, max_prefill_tokens=256)
+    group = deploy(model, TP2, max_num_batched_tokens=256)
     got = _run_batch_then_cache_hit(group.address, prompts)
     assert got == [reference.greedy(model, p, NEW_TOKENS) for p in prompts], arch
     assert "Traceback" not in group.worker.log.read_text()
@@ -158,7 +158,7 @@ def test_prepacked_shards_compute_what_the_plain_shards_do(tmp_path):
 
 def test_killing_rank_one_fails_the_group_and_the_scheduler_recovers(deploy):
     model = tiny_model("llama")
-    d = deploy(model, TP2, max_prefill_tokens=256)
+    d = deploy(model, TP2, max_num_batched_tokens=256)
     prompts = [("the king " * (i + 1) + "dragon", 48) for i in range(4)]
     sampled = ("the river flows", 40, 11)
     seen = asyncio.Event()
