@@ -144,12 +144,10 @@ OPTIONS: tuple[Option, ...] = (
            lambda v: -1 <= v <= 65535, "worker Prometheus /metrics port"),
     Option("worker_addresses", _addresses, "comma-separated host:port list",
            help="the workers the scheduler drives, each a full replica (data parallel)"),
-    Option("max_num_batched_tokens", int, "an integer >= 1 (tokens one step may compute)",
-           lambda v: v >= 1, "token budget of a step: decoding rows, then prompt chunks (no "
-           "chunked prefill: prompt tokens admitted per step); as vLLM's option"),
-    Option("enable_chunked_prefill", _bool, "true or false",
-           help="split prompts longer than what a step's token budget leaves over several "
-                "steps, beside the decoding rows (false: each prompt is prefilled whole)"),
+    Option("max_num_batched_tokens", int, "an integer >= 1", lambda v: v >= 1, "tokens a step "
+           "computes: decoding rows, then prompt chunks (unchunked: prompt tokens per step)"),
+    Option("enable_chunked_prefill", _bool, "true or false", help="split prompts over steps "
+           "beside the decoding rows (false: each prompt is prefilled whole in one step)"),
     Option("steps_in_flight", int, "an integer >= 1", lambda v: v >= 1,
            "Steps sent to the worker before the oldest is answered (1: each waits for the "
            "previous one's tokens)"),
@@ -214,16 +212,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("worker_lease", _finite_float, "a number of seconds > 0", lambda v: v > 0,
            "a worker drops the sequences of a scheduler silent for this long"),
 )
-_BY_KEY = {o.key: o for o in OPTIONS}
-# Keys that were renamed: still read under their old name, with a warning, so that older
-# serving.properties files and OPTION_* variables keep working.
+# Old names of options: still read (with a warning), so older files and flags keep working.
 RENAMED = {"max_prefill_tokens": "max_num_batched_tokens"}
-
-
-def _current_key(key: str | None, origin: str) -> str | None:
-    if key in RENAMED:
-        logger.warning("%s: option.%s is now option.%s", origin, key, RENAMED[key])
-    return RENAMED.get(key, key)
+_BY_KEY = {o.key: o for o in OPTIONS}
+_BY_KEY.update({old: _BY_KEY[new] for old, new in RENAMED.items()})
 
 
 @dataclass(frozen=True)
@@ -320,6 +312,8 @@ def _option_key(raw: str) -> str | None:
 def _convert(key: str, raw: str, origin: str) -> Any:
     opt = _BY_KEY[key]
     name = "engine" if key == "engine" else f"option.{key}"
+    if key != opt.key:
+        logger.warning("%s (%s) is now option.%s", name, origin, opt.key)
     try:
         value = opt.parse(raw)
     except (ValueError, TypeError) as exc:
@@ -337,18 +331,18 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
     if path is not None:
         text = Path(path).read_text()
         for raw_key, raw in parse_properties(text, str(path)).items():
-            key = _current_key(_option_key(raw_key), str(path))
+            key = _option_key(raw_key)
             if key not in _BY_KEY:
                 logger.warning("%s: unknown key %r ignored", path, raw_key)
                 continue
-            values[key] = _convert(key, raw, str(path))
+            values[_BY_KEY[key].key] = _convert(key, raw, str(path))
     for var, raw in env.items():
         if var.startswith("OPTION_"):
-            key = _current_key(var[len("OPTION_"):].lower(), "environment")
+            key = var[len("OPTION_"):].lower()
             if key not in _BY_KEY:
                 logger.warning("environment: unknown option %s ignored", var)
                 continue
-            values[key] = _convert(key, raw, f"environment {var}")
+            values[_BY_KEY[key].key] = _convert(key, raw, f"environment {var}")
         elif var == "SERVING_ENGINE":
             values["engine"] = raw
     for key, raw in (overrides or {}).items():
@@ -362,10 +356,10 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--properties", metavar="FILE",
                         help="serving.properties file (default: $SERVING_PROPERTIES if set)")
     group = parser.add_argument_group("options (override the file and OPTION_* variables)")
-    old_names = {new: old for old, new in RENAMED.items()}
     for opt in OPTIONS:
-        names = [f"--{key.replace('_', '-')}" for key in (opt.key, old_names.get(opt.key)) if key]
-        group.add_argument(*names, dest=f"opt_{opt.key}", metavar="V",
+        names = [k for k, o in _BY_KEY.items() if o is opt]  # its current and old names
+        group.add_argument(*(f"--{k.replace('_', '-')}" for k in names), dest=f"opt_{opt.key}",
+                           metavar="V",
                            help=f"{opt.help} [{opt.allowed}; default {opt.default}]")
 
 

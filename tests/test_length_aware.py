@@ -149,7 +149,7 @@ def test_serving_reserves_by_prediction_and_outgrown_sequences_stay_identical(ll
     reserve 20 + 50 and run together (by max_new_tokens, 20 + 80 each, only two would
     fit); when they outgrow the bucket the latest is preempted and recomputed. Greedy
     outputs equal model.generate."""
-    small = {"max_prefill_tokens": 128}
+    small = {"max_num_batched_tokens": 128}
     d = deploy(llama_dir, {**small, "kv_cache_bytes": 240 * 512}, **small,
                scheduling_policy="length-aware", max_rolling_batch_size=4)
     tok = AutoTokenizer.from_pretrained(llama_dir)

@@ -168,7 +168,7 @@ def test_length_aware_outgrown_reservations_preempt_and_outputs_stay_identical()
     async def run():
         loop = IterationLoop(worker, max_rolling_batch_size=4, max_queue=16, max_sparsity=0.3,
                              max_splits=2, worker_timeout=5, metrics=metrics,
-                             max_prefill_tokens=4096, steps_in_flight=2,
+                             max_num_batched_tokens=4096, steps_in_flight=2,
                              policy=LengthAwareAdmission(predictor, aging_steps=1000))
         seqs = [request(loop, 8, 60, priority=0) for _ in range(3)]
         for s in seqs:
