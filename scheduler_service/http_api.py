@@ -6,7 +6,8 @@
 answers `{"generated_text": ...}`; with `"stream": true` it answers JSON lines, one per
 token (`{"token": {"id", "text", "log_prob"}}`), then one with `text` (what the end released),
 `generated_text` and
-`details`. Requests go through the same validation and queue as the gRPC API.
+`details` (with beam search also `details.sequences`: the returned hypotheses, best first).
+Requests go through the same validation and queue as the gRPC API.
 """
 
 from __future__ import annotations
