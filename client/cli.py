@@ -3,6 +3,7 @@
     seqserve generate "Once upon a time" --max-new-tokens 50
     seqserve info
     seqserve chat                  # over the OpenAI-compatible API (--openai-url)
+    seqserve workers list          # the scheduler's pool; also register ADDR, drain ADDR
     SEQSERVE_TOKEN=... seqserve --address host:8000 --tls-ca-file ca.pem info
 """
 
@@ -101,6 +102,28 @@ def _chat(args) -> int:
                              f"completion_tokens={usage.completion_tokens}]\n")
 
 
+def _workers(args) -> int:
+    from client.admin import AdminClient, read_control_token
+
+    try:
+        admin = AdminClient(args.address, read_control_token(args.control_token_file),
+                            tls_ca_file=args.tls_ca_file, tls_cert_file=args.tls_cert_file,
+                            tls_key_file=args.tls_key_file, token=args.token or None)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"seqserve: {exc}") from None
+    with admin:
+        if args.action == "list":
+            rows = admin.list()
+        elif args.action == "register":
+            rows = [admin.register(args.worker)]
+        else:
+            rows = [admin.drain(args.worker, wait=args.wait)]
+    for w in rows:
+        sys.stdout.write(f"{w.address}\t{w.state}\trunning={w.running}\twaiting={w.waiting}"
+                         f"\tkv_tokens={w.kv_capacity_tokens}\n")
+    return 0
+
+
 def _api_error(exc) -> str:
     status = getattr(exc, "status_code", None)
     body = exc.body if isinstance(getattr(exc, "body", None), dict) else {}
@@ -154,7 +177,18 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("-v", "--verbose", action="store_true",
                       help="print finish reason and token counts after each reply")
     chat.set_defaults(func=_chat)
+    wk = sub.add_parser("workers", help="list, register or drain the scheduler's workers "
+                        "(needs the control-plane token)")
+    wk.add_argument("action", choices=("list", "register", "drain"))
+    wk.add_argument("worker", nargs="?", help="host:port of the worker (register, drain)")
+    wk.add_argument("--wait", action="store_true", help="drain: return once it has left")
+    wk.add_argument("--control-token-file", default=None, metavar="FILE",
+                    help="the control-plane token (default $SEQSERVE_CONTROL_TOKEN, else "
+                    "~/.cache/seqserve/control-token, the file a scheduler here writes)")
+    wk.set_defaults(func=_workers)
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    if args.command == "workers" and args.action != "list" and not args.worker:
+        parser.error(f"workers {args.action} needs the worker's host:port")
     try:
         return args.func(args)
     except grpc.RpcError as exc:

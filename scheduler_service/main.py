@@ -12,7 +12,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from prometheus_client import start_http_server
 from seqserve.v1 import generate_pb2
 
-from scheduler_service import auth
+from scheduler_service import admin_api, auth
 from scheduler_service.frontend import Frontend, ServingState
 from scheduler_service.grpc_api import GenerationServicer, add_to_server
 from scheduler_service.http_api import InvocationsApp
@@ -59,13 +59,34 @@ async def serve(cfg: ServingConfig, port_file: str | None,
     async def set_ready(ready: bool) -> None:
         for name in health_names.readiness_names(SERVICE_NAME):
             await health_servicer.set(name, health_names.status(ready))
-    interceptors = [auth.BearerTokenInterceptor(cfg.auth_token)] if cfg.auth_token else []
+
+    credentials = worker_tls.channel_credentials() if worker_tls is not None else None
+
+    def make_client(address: str) -> WorkerClient:
+        return WorkerClient(address, control_token, credentials=credentials)
+
+    new_policy = policy_factory(cfg)
+
+    def make_loop(client: WorkerClient) -> IterationLoop:
+        return IterationLoop(client, max_rolling_batch_size=cfg.max_rolling_batch_size,
+                             max_queue=cfg.max_queue, max_sparsity=cfg.max_sparsity,
+                             max_splits=cfg.max_splits, worker_timeout=cfg.worker_timeout,
+                             metrics=metrics, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                             steps_in_flight=cfg.steps_in_flight, policy=new_policy(),
+                             enable_chunked_prefill=cfg.enable_chunked_prefill)
+
+    # Made before the server starts so the admin API can register workers from the start.
+    workers = WorkerPool(cfg.worker_addresses, make_client, make_loop, cfg.max_queue)
+    interceptors = [admin_api.AdminTokenInterceptor(control_token)]
+    if cfg.auth_token:
+        interceptors.append(auth.BearerTokenInterceptor(cfg.auth_token))
     server = grpc.aio.server(interceptors=interceptors,
                              options=[("grpc.max_receive_message_length", PUBLIC_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", PUBLIC_MESSAGE_BYTES)])
     add_to_server(servicer, server)
+    admin_api.add_to_server(workers, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    health_names.enable_reflection((SERVICE_NAME,), server, aio=True)
+    health_names.enable_reflection((SERVICE_NAME, admin_api.SERVICE_NAME), server, aio=True)
     await health_servicer.set(health_names.LIVENESS, health_names.SERVING)
     await set_ready(False)
     if public_tls is not None:
@@ -117,21 +138,6 @@ async def serve(cfg: ServingConfig, port_file: str | None,
         aloop.add_signal_handler(sig, stop.set)
 
     tokenizer = await asyncio.to_thread(load_tokenizer, cfg)
-    credentials = worker_tls.channel_credentials() if worker_tls is not None else None
-    clients = [WorkerClient(address, control_token, credentials=credentials)
-               for address in cfg.worker_addresses]
-
-    new_policy = policy_factory(cfg)
-
-    def make_loop(client: WorkerClient) -> IterationLoop:
-        return IterationLoop(client, max_rolling_batch_size=cfg.max_rolling_batch_size,
-                             max_queue=cfg.max_queue, max_sparsity=cfg.max_sparsity,
-                             max_splits=cfg.max_splits, worker_timeout=cfg.worker_timeout,
-                             metrics=metrics, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                             steps_in_flight=cfg.steps_in_flight, policy=new_policy(),
-                             enable_chunked_prefill=cfg.enable_chunked_prefill)
-
-    workers = WorkerPool(clients, make_loop, cfg.max_queue)
     workers.on_ready_change = lambda ready: asyncio.ensure_future(
         set_ready(ready and not frontend.draining))
     ready = asyncio.ensure_future(workers.start())
@@ -142,6 +148,7 @@ async def serve(cfg: ServingConfig, port_file: str | None,
         workers.stop()
         await asyncio.gather(http.server.stop(), openai_app.server.stop())
         await server.stop(0)
+        await workers.close()
         return 0
     info = ready.result()
     limits = Limits(vocab_size=info.vocab_size,
@@ -165,7 +172,7 @@ async def serve(cfg: ServingConfig, port_file: str | None,
         await asyncio.sleep(0.05)
     await asyncio.gather(server.stop(grace=0.5), http.server.stop(), openai_app.server.stop())
     workers.stop()
-    await asyncio.gather(*(c.close() for c in clients))
+    await workers.close()
     return 0
 
 

@@ -145,6 +145,21 @@ class SchedulerMetrics:
         self.worker_ready.labels(worker).set(int(up))
         self.worker_up.set(sum(self._ready.values()))
 
+    def remove_worker(self, worker: str) -> None:
+        """A drained worker left: drop its gauges from the sums and the export (its
+        placement counter stays, so totals never go down)."""
+        for d in (self._waiting, self._load, self._ready, self._kv):
+            d.pop(worker, None)
+        for g in (self.worker_ready, self.worker_running, self.worker_waiting,
+                  self.worker_kv_used):
+            try:
+                g.remove(worker)
+            except KeyError:
+                pass
+        self.worker_up.set(sum(self._ready.values()))
+        self.queue_size.set(sum(self._waiting.values()))
+        self.running.set(sum(r for r, _, _ in self._load.values()))
+
     def observe_step(self, worker: str, plan: StepPlan, answer: StepAnswer, plan_s: float,
                      rpc_s: float, post_s: float) -> None:
         """`rpc_s`: the loop's wait for the answer; what the worker did not spend of it is
