@@ -13,7 +13,7 @@ from bench.peer_systems import PEERS
 from bench.workload import ARRIVALS, WORKLOADS
 
 COMMANDS = ("throughput", "sweep", "partition", "prefix", "serve", "peers", "ceiling", "matrix",
-            "all")
+            "all", "scheduler-cost")
 
 
 def _floats(text: str) -> list[float]:
@@ -205,6 +205,20 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     g.add_argument("--quick", action="store_true",
                    help="smoke run: tiny model, 4 requests of at most 64 + 8 tokens a trace, "
                         "two rates, a short GEMM grid, small KV memory")
+    sc = sub.add_parser("scheduler-cost", help="the scheduler's CPU per Step against 1..N "
+                        "fake workers")
+    sc.add_argument("--model", type=Path, default=Path("models/test/tiny-llama"),
+                    help="the scheduler's tokenizer (models/test/tiny-llama)")
+    sc.add_argument("--workers", type=_ints, default=[1, 8, 32], help="worker counts (1,8,32)")
+    sc.add_argument("--step-ms", type=float, default=20.0, help="fake Step time (20 ms)")
+    sc.add_argument("--per-worker", type=int, default=16,
+                    help="requests per worker, all at once; also the batch limit (16)")
+    sc.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (64)")
+    sc.add_argument("--output-len", type=int, default=64, help="output tokens (64)")
+    sc.add_argument("--kv-tokens", type=int, default=65536, help="fake KV capacity (65536)")
+    sc.add_argument("--seed", type=int, default=0)
+    sc.add_argument("--out", type=Path, default=Path("bench-results"))
+    sc.add_argument("--log-level", default="INFO")
     sub.add_parser("all", parents=[common, srv, hf, slo, prs, load, swp, prt, pfx],
                    help="every figure: peers, sweep, partition, prefix, Poisson sweep")
     return parser
