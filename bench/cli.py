@@ -7,14 +7,14 @@ import sys
 from typing import Sequence
 
 from bench.commands import (all_figures, ceiling, matrix, partition, peers, prefix,
-                            scheduler_cost, serve, sweep, throughput)
+                            replicas, scheduler_cost, serve, sweep, throughput)
 from bench.commands.common import set_command_line
 from bench.parser import COMMANDS, build_parser
 
 HANDLERS = {"throughput": throughput.run, "sweep": sweep.run, "partition": partition.run,
             "prefix": prefix.run, "serve": serve.run, "peers": peers.run,
             "ceiling": ceiling.run, "matrix": matrix.run, "all": all_figures.run,
-            "scheduler-cost": scheduler_cost.run}
+            "scheduler-cost": scheduler_cost.run, "replicas": replicas.run}
 
 
 def main(argv: Sequence[str] | None, doc: str) -> int:

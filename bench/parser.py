@@ -13,7 +13,7 @@ from bench.peer_systems import PEERS
 from bench.workload import ARRIVALS, WORKLOADS
 
 COMMANDS = ("throughput", "sweep", "partition", "prefix", "serve", "peers", "ceiling", "matrix",
-            "all", "scheduler-cost")
+            "all", "scheduler-cost", "replicas")
 
 
 def _floats(text: str) -> list[float]:
@@ -217,8 +217,15 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     sc.add_argument("--output-len", type=int, default=64, help="output tokens (64)")
     sc.add_argument("--kv-tokens", type=int, default=65536, help="fake KV capacity (65536)")
     sc.add_argument("--seed", type=int, default=0)
+    sc.add_argument("--profile", action="store_true",
+                    help="py-spy the scheduler during each measured run (logs/*/scheduler.spy)")
     sc.add_argument("--out", type=Path, default=Path("bench-results"))
     sc.add_argument("--log-level", default="INFO")
+    rp = sub.add_parser("replicas", parents=[common, srv],
+                        help="the same cores as 1 worker x N threads, N workers x 1 thread, TP")
+    rp.add_argument("--configs", default="1x2,2x1",
+                    help="WORKERSxTHREADS or tpDxTHREADS, comma-separated (1x2,2x1)")
+    rp.add_argument("--repeats", type=int, default=1, help="runs of every config (1)")
     sub.add_parser("all", parents=[common, srv, hf, slo, prs, load, swp, prt, pfx],
                    help="every figure: peers, sweep, partition, prefix, Poisson sweep")
     return parser

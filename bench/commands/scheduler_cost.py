@@ -21,6 +21,7 @@ import logging
 import os
 import random
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from bench.env import environment
 from bench.loadgen import send_requests
 from bench.metrics import scrape
 from bench.processes import spawn
+from bench.profiling import find_py_spy
 from bench.report import write
 from bench.workload import BenchRequest, make_prompt, round_trip_tokens
 
@@ -82,11 +84,20 @@ def run_one(args, tokenizer, n_workers: int, logdir: Path) -> dict:
         asyncio.run(send_requests(address, warm))
         requests = make_requests(tokenizer, n_workers * args.per_worker, args.prompt_len,
                                  args.output_len, seed=args.seed)
+        spy = None
+        if args.profile:  # samples only while the scheduler holds the GIL: its CPU
+            spy = subprocess.Popen([find_py_spy(), "record", "-p", str(sched.proc.pid), "-g",
+                                    "-r", "250", "-f", "raw", "-o", str(logdir / "scheduler.spy")],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            time.sleep(1)
         before, cpu0, t0 = step_counts(scrape(metrics_url)), cpu_seconds(sched.proc.pid), \
             time.perf_counter()
         asyncio.run(send_requests(address, requests))
         wall = time.perf_counter() - t0
         cpu = cpu_seconds(sched.proc.pid) - cpu0
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(30)
         after = step_counts(scrape(metrics_url))
     finally:
         if sched is not None:
