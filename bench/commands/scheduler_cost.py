@@ -111,6 +111,8 @@ def run_one(args, tokenizer, n_workers: int, logdir: Path) -> dict:
         "workers": n_workers, "requests": len(requests), "steps": steps,
         "wall_s": wall, "scheduler_cpu_s": cpu,
         "scheduler_cpu_per_step_ms": per_step * 1000,
+        "sequences_per_step": len(requests) * args.output_len / steps,
+        "scheduler_cpu_per_token_us": cpu / (len(requests) * args.output_len) * 1e6,
         "share_of_step": per_step / step_s,
         "scheduler_utilization": cpu / wall,
         "plan_ms_per_step": (after[1] - before[1]) / steps * 1000,
@@ -129,13 +131,15 @@ def markdown(result: dict) -> str:
              "", f"{a['per_worker']} requests per worker at once ({a['prompt_len']} prompt "
              f"tokens, {a['output_len']} output each), `max_rolling_batch_size` "
              f"{a['per_worker']}; load average {result['env']['load_average']} at start.",
-             "", "| workers | Steps | scheduler CPU per Step ms | share of the Step | "
-             "scheduler CPU / wall | Steps per worker per s (ideal) | worker idle | "
-             "output tokens/s |", "|---|---|---|---|---|---|---|---|"]
+             "", "| workers | Steps | sequences per Step | scheduler CPU per Step ms | share of "
+             "the Step | scheduler CPU per token us | scheduler CPU / wall | Steps per worker "
+             "per s (ideal) | worker idle | output tokens/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
         lines.append(
-            f"| {r['workers']} | {r['steps']:.0f} | {r['scheduler_cpu_per_step_ms']:.2f} | "
-            f"{r['share_of_step']:.1%} | {r['scheduler_utilization']:.0%} | "
+            f"| {r['workers']} | {r['steps']:.0f} | {r['sequences_per_step']:.1f} | "
+            f"{r['scheduler_cpu_per_step_ms']:.2f} | {r['share_of_step']:.1%} | "
+            f"{r['scheduler_cpu_per_token_us']:.0f} | {r['scheduler_utilization']:.0%} | "
             f"{r['steps_per_worker_per_s']:.1f} ({r['ideal_steps_per_worker_per_s']:.0f}) | "
             f"{r['worker_idle_share']:.0%} | {r['output_tokens_per_s']:.0f} |")
     return "\n".join(lines)
