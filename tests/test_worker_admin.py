@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from bench.metrics import scrape
-from client import AsyncClient
+from client import AsyncClient, cli
 from client.admin import CONTROL_METADATA_KEY, AdminClient
 from seqserve.admin.v1 import admin_pb2, admin_pb2_grpc
 from tests import reference
@@ -40,7 +40,8 @@ def refusal(call) -> grpc.RpcError:
     return info.value
 
 
-def test_a_worker_registered_at_runtime_serves_exactly(llama_dir, tmp_path):
+def test_a_worker_registered_at_runtime_serves_exactly(llama_dir, tmp_path, monkeypatch,
+                                                       capsys):
     d = deployment(llama_dir, tmp_path)
     try:
         d.start_worker()
@@ -70,6 +71,10 @@ def test_a_worker_registered_at_runtime_serves_exactly(llama_dir, tmp_path):
             assert "did not answer" in err.details()
             assert [(w.address, w.state) for w in admin.list()] == [
                 (d.worker.address, "serving"), (second, "serving")]
+        monkeypatch.setenv("SEQSERVE_CONTROL_TOKEN", TOKEN)
+        assert cli.main(["--address", d.address, "workers", "list"]) == 0
+        listed = [line.split("\t")[:2] for line in capsys.readouterr().out.splitlines()]
+        assert listed == [[d.worker.address, "serving"], [second, "serving"]]
         requests = make_requests(llama_dir, 24, seed=11)
         replies = asyncio.run(_run_staggered(d.address, requests, seed=5))
         counts = placed(d)
