@@ -8,7 +8,6 @@ produce, so hypotheses end on EOS (and with two EOS ids, 3k candidates are kept 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import shutil
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 from bench.deployment import Deployment
-from client import AsyncClient, Client
+from client import Client
 from scheduler_service.batch_plan import BatchPlanner
 from scheduler_service.detokenizer import IncrementalDetokenizer, StopMatcher
 from scheduler_service.params import Limits, RequestError, resolve
@@ -28,6 +27,7 @@ from scheduler_service.sequence import Sequence
 from seqserve_common.decoding import DecodingStrategy
 from tests import reference
 from tests.conftest import tiny_model
+from tests.test_decoding import send_all
 from worker_service.beam import BeamSearch, BeamSearches, extra_row_id
 from worker_service.engine import Engine
 from worker_service.kv_groups import KVGroup, KVShape
@@ -120,20 +120,6 @@ def qwen2(tmp_path_factory):
     yield from _serve(tiny_model("qwen2"), tmp_path_factory)
 
 
-async def _send_all(address: str, jobs: list[tuple[float, str, dict]]) -> list:
-    async with AsyncClient(address, timeout=TIMEOUT) as c:
-        async def one(delay: float, prompt: str, params: dict):
-            await asyncio.sleep(delay)
-            return await c.generate(prompt, **params)
-
-        return await asyncio.gather(*(one(*j) for j in jobs))
-
-
-def send_all(address: str, jobs: list[tuple[float, str, dict]]) -> list:
-    """Send (delay_s, prompt, params) jobs concurrently: they share the running batch."""
-    return asyncio.run(_send_all(address, jobs))
-
-
 def _prompts(tok, rng: random.Random) -> list[str]:
     return [reference.prompt_of_tokens(tok, n, rng) for n in PROMPT_TOKENS]
 
@@ -177,7 +163,7 @@ def _check_beams(model_dir, jobs, replies) -> list[str]:
 
 def test_beam_search_equals_generate_llama_with_eos(llama_eos):
     jobs = _beam_jobs(llama_eos.model_dir, seed=EOS_SEED)
-    reasons = _check_beams(llama_eos.model_dir, jobs, send_all(llama_eos.address, jobs))
+    reasons = _check_beams(llama_eos.model_dir, jobs, send_all(llama_eos.address, jobs, TIMEOUT))
     assert "eos" in reasons and "length" in reasons  # both endings were exercised
 
 
@@ -185,7 +171,7 @@ def test_beam_search_equals_generate_llama_with_eos(llama_eos):
 def test_beam_search_equals_generate(fixture, request):
     d = request.getfixturevalue(fixture)
     jobs = _beam_jobs(d.model_dir, seed=2)
-    _check_beams(d.model_dir, jobs, send_all(d.address, jobs))
+    _check_beams(d.model_dir, jobs, send_all(d.address, jobs, TIMEOUT))
 
 
 @pytest.mark.slow
@@ -193,7 +179,7 @@ def test_beam_search_equals_generate(fixture, request):
 def test_beam_search_equals_generate_more_architectures(arch, tmp_path_factory):
     for d in _serve(tiny_model(arch), tmp_path_factory):
         jobs = _beam_jobs(d.model_dir, seed=3)
-        _check_beams(d.model_dir, jobs, send_all(d.address, jobs))
+        _check_beams(d.model_dir, jobs, send_all(d.address, jobs, TIMEOUT))
 
 
 def test_beams_leave_greedy_sampled_and_contrastive_rows_unchanged(llama_eos):
@@ -216,7 +202,7 @@ def test_beams_leave_greedy_sampled_and_contrastive_rows_unchanged(llama_eos):
             assert ids == reference.greedy(model_dir, prompt, 16)
     beams = _beam_jobs(model_dir, seed=8)[::2]
     jobs = [(rng.uniform(0, 1.0), p, params) for p, params in others] + beams
-    replies = send_all(llama_eos.address, jobs)
+    replies = send_all(llama_eos.address, jobs, TIMEOUT)
     for (prompt, params), ids, reply in zip(others, alone, replies):
         assert reply.token_ids == ids, f"{params} changed beside beam searches"
     _check_beams(model_dir, beams, replies[len(others):])

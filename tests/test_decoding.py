@@ -158,9 +158,9 @@ def _tokenizer(model_dir):
 # --- sending -----------------------------------------------------------------------------
 
 
-async def _send_all(address: str, jobs: list[tuple[float, str, dict]]) -> list:
+async def _send_all(address: str, jobs: list[tuple[float, str, dict]], timeout: float) -> list:
     """Send (delay_s, prompt, params) jobs concurrently, each after its delay; the replies."""
-    async with AsyncClient(address, timeout=TIMEOUT) as c:
+    async with AsyncClient(address, timeout=timeout) as c:
         async def one(delay: float, prompt: str, params: dict):
             await asyncio.sleep(delay)
             return await c.generate(prompt, **params)
@@ -168,8 +168,9 @@ async def _send_all(address: str, jobs: list[tuple[float, str, dict]]) -> list:
         return await asyncio.gather(*(one(*j) for j in jobs))
 
 
-def send_all(address: str, jobs: list[tuple[float, str, dict]]) -> list:
-    return asyncio.run(_send_all(address, jobs))
+def send_all(address: str, jobs: list[tuple[float, str, dict]],
+             timeout: float = TIMEOUT) -> list:
+    return asyncio.run(_send_all(address, jobs, timeout))
 
 
 def alone(address: str, prompt: str, **params):
