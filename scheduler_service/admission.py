@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Iterable, Iterator, Protocol
 
 from scheduler_service.sequence import Sequence, Status
 
@@ -119,18 +119,28 @@ class FCFSAdmission:
         return []
 
     def admit(self, waiting: WaitingQueue, budget: Budget) -> list[Sequence]:
-        admitted: list[Sequence] = []
-        slots, tokens = budget.free_slots, budget.free_kv_tokens
-        prefill = budget.prefill_tokens
-        while slots > 0:
-            head = waiting.peek()
-            if head is None or head.reserved_tokens > tokens:
-                break
-            if prefill <= 0 or (admitted and not budget.chunked and head.length > prefill):
-                break
-            admitted.append(waiting.pop())
-            slots -= 1
-            tokens -= head.reserved_tokens
-            prefill -= min(head.length, prefill)
+        admitted = fitting_prefix(waiting, budget)
+        for _ in admitted:
+            waiting.pop()
         return admitted
+
+
+def fitting_prefix(candidates: Iterable[Sequence], budget: Budget) -> list[Sequence]:
+    """The longest run of `candidates`, in their order, that fits `budget`: a batch slot
+    and its KV reservation each, and prompt tokens within the step's prefill budget (the
+    first always; with chunking, each while any budget is left). Stopping at the first
+    that does not fit keeps a large request from being passed by smaller ones."""
+    admitted: list[Sequence] = []
+    slots, tokens = budget.free_slots, budget.free_kv_tokens
+    prefill = budget.prefill_tokens
+    for seq in candidates:
+        if slots <= 0 or seq.reserved_tokens > tokens:
+            break
+        if prefill <= 0 or (admitted and not budget.chunked and seq.length > prefill):
+            break
+        admitted.append(seq)
+        slots -= 1
+        tokens -= seq.reserved_tokens
+        prefill -= min(seq.length, prefill)
+    return admitted
 

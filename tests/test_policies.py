@@ -49,6 +49,19 @@ def ids(seqs) -> list[int]:
 
 # --- priority ----------------------------------------------------------------------------
 
+def test_priority_spends_a_chunked_prefill_budget_as_fcfs_does():
+    # Chunking on: requests join in rank order while any of the step's prompt budget is
+    # left (the last one's first chunk takes the rest), and none joins once it is spent.
+    q = WaitingQueue(10)
+    for sid, prio in [(1, 0), (2, -1), (3, -2)]:
+        q.push(seq(sid, prompt_len=300, priority=prio))
+    budget = Budget(free_slots=10, free_kv_tokens=10**6, prefill_tokens=700, chunked=True)
+    assert ids(PriorityAdmission(aging_steps=100).admit(q, budget)) == [3, 2, 1]
+    q.push(seq(4, prompt_len=5))
+    spent = Budget(free_slots=10, free_kv_tokens=10**6, prefill_tokens=0, chunked=True)
+    assert PriorityAdmission(aging_steps=100).admit(q, spent) == []
+
+
 def test_priority_admits_most_urgent_first_then_arrival_order():
     q = WaitingQueue(10)
     for sid, prio in [(1, 5), (2, 0), (3, -3), (4, 0)]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from scheduler_service.admission import Budget, WaitingQueue
+from scheduler_service.admission import Budget, WaitingQueue, fitting_prefix
 from scheduler_service.sequence import Sequence
 
 Rank = Callable[[Sequence, WaitingQueue], float]
@@ -36,18 +36,7 @@ class RankedAdmission:
         return sorted(waiting, key=lambda s: self._key(s, waiting))
 
     def admit(self, waiting: WaitingQueue, budget: Budget) -> list[Sequence]:
-        admitted: list[Sequence] = []
-        slots, tokens = budget.free_slots, budget.free_kv_tokens
-        prefill = budget.prefill_tokens
-        for seq in self.order(waiting):
-            if slots <= 0 or seq.reserved_tokens > tokens:
-                break
-            if admitted and seq.length > prefill:
-                break
-            admitted.append(seq)
-            slots -= 1
-            tokens -= seq.reserved_tokens
-            prefill -= seq.length
+        admitted = fitting_prefix(self.order(waiting), budget)
         for seq in admitted:
             waiting.remove(seq)
         return admitted
