@@ -158,7 +158,7 @@ class IterationLoop:
                     logger.error("worker %s does not answer (%s: %s)", self.worker.address,
                                  exc.code().name, exc.details())
                     self._set_worker_up(False)
-                    self._hand_off_waiting()
+                    self.hand_off_waiting()
 
     def _set_worker_up(self, up: bool) -> None:
         if up != self.worker_up:
@@ -166,10 +166,10 @@ class IterationLoop:
             self.metrics.set_worker_up(self.name, up)
             self.on_worker_state(up)
 
-    def _hand_off_waiting(self) -> None:
-        """Offer the waiting requests to other workers while this one is unreachable."""
+    def hand_off_waiting(self, offer: Callable[[list[Sequence]], bool] | None = None) -> None:
+        """Offer the waiting requests to `on_orphans` (unreachable) or `offer` (drain)."""
         seqs = list(self.waiting)
-        if seqs and self.on_orphans(seqs):
+        if seqs and (offer or self.on_orphans)(seqs):
             for s in seqs:
                 self.waiting.remove(s)
             self._one_at_a_time = 0
@@ -386,7 +386,7 @@ class IterationLoop:
             try:
                 return await self.worker.wait_ready(1.0)
             except WorkerUnavailable as err:
-                self._hand_off_waiting()
+                self.hand_off_waiting()
                 now = time.monotonic()
                 expired = [s for s in self.waiting
                            if now - max(s.arrival_time, down_since) >= self.worker_timeout]

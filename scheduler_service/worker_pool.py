@@ -255,12 +255,8 @@ class WorkerPool:
     async def _finish_drain(self, m: Member) -> None:
         loop = m.loop
         while loop is not None:
-            if len(loop.waiting):  # also re-admissions after a failed Step
-                seqs = list(loop.waiting)
-                if self._move(m, seqs, "is draining"):
-                    for s in seqs:
-                        loop.waiting.remove(s)
-                    loop.metrics.set_waiting(loop.name, len(loop.waiting))
+            # Also re-admissions after a failed Step.
+            loop.hand_off_waiting(lambda seqs: self._move(m, seqs, "is draining"))
             if loop.idle() and not loop.to_release:
                 break
             await asyncio.sleep(DRAIN_POLL)
