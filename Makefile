@@ -73,7 +73,7 @@ run: $(STAMP) $(if $(MODEL_ID),,model)
 	  --worker-addresses 127.0.0.1:$(WORKER_PORT)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

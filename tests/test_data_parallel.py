@@ -89,8 +89,12 @@ def test_a_dead_worker_loses_no_token_and_the_other_keeps_streaming(llama_dir, t
     # The worker's requests moved to the survivor: more placements than requests.
     assert sum(counts.values()) > 16, counts
     assert m["seqserve_workers_ready"] == 1
-    gaps = [max(b - a for a, b in zip(t, t[1:])) for t in stamps.values() if len(t) > 1]
-    print(f"\nlongest gap between two tokens of a stream across the crash: {max(gaps):.2f} s")
+    # Per stream, its longest pause: the dead worker's streams wait for the failure to be
+    # seen and for their re-prefill; the survivor's streams only for that re-prefill, which
+    # runs in their steps. Printed sorted so the two groups show (docs/reliability.md).
+    gaps = sorted(max(b - a for a, b in zip(t, t[1:])) for t in stamps.values() if len(t) > 1)
+    print("\nlongest gap of each stream across the crash, s: "
+          + " ".join(f"{g:.2f}" for g in gaps))
 
 
 def test_an_unreachable_second_worker_does_not_stop_serving(llama_dir, tmp_path):
