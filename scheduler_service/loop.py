@@ -3,7 +3,8 @@
 Orca-style iteration-level scheduling: requests join and leave the running batch at
 every step. The pure decisions live in admission.py and batch_plan.py, the worker's wire
 format in worker_client.py, tokens-to-text in output.py and the metrics in metrics.py;
-this module keeps the request bookkeeping, the pipeline of Steps and worker recovery.
+this module keeps the request bookkeeping and the pipeline of Steps; recovery.py takes
+over when the worker fails a Step.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from scheduler_service.batch_plan import BatchPlanner, StepPlan
 from scheduler_service.chunking import Chunk, StepBudget
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.output import emit_beams, emit_finish, emit_token
-from scheduler_service.preemption import preempt, take_off_worker
+from scheduler_service.preemption import preempt
+from scheduler_service.recovery import recover
 from scheduler_service.sequence import FinishReason, Sequence, Status
 from scheduler_service.worker_client import (
     StepFailed,
@@ -30,13 +32,9 @@ from scheduler_service.worker_client import (
     StepToken,
     WorkerClient,
     WorkerInfo,
-    WorkerUnavailable,
 )
 
 logger = logging.getLogger(__name__)
-# A sequence that was in this many failed Steps in a row, with no token in between, is
-# failed instead of re-admitted (see _recover).
-MAX_STEP_FAILURES = 3
 
 
 @dataclass
@@ -191,7 +189,7 @@ class IterationLoop:
                         self._wakeup.clear()
                         await self._wakeup.wait()
                 except StepFailed as exc:
-                    await self._recover(exc)
+                    await recover(self, exc)
         finally:
             self._close_stream()
 
@@ -224,7 +222,7 @@ class IterationLoop:
         reserved = sum(s.reserved_tokens for s in self.running.values())
         slots = self.max_batch - len(self.running)
         if self._one_at_a_time > 0:
-            slots = min(slots, 1)  # isolate the re-admitted sequences (see _recover)
+            slots = min(slots, 1)  # isolate the re-admitted sequences (see recovery.py)
         budget = Budget(slots, self.kv_budget - reserved, prefill.left, prefill.chunked)
         victims, budget = preempt(self.policy, self.waiting, self.running, budget)
         self.to_release += [s.seq_id for s in victims]
@@ -332,69 +330,3 @@ class IterationLoop:
 
     def _fail(self, seq: Sequence, error: str) -> None:
         self._finish(seq, FinishReason.ERROR, error=error)
-
-    # --- worker failure ---------------------------------------------------------------------
-
-    async def _recover(self, exc: StepFailed) -> None:
-        """The worker failed a Step: wait for it, then re-admit every running sequence by
-        prefilling its prompt plus the tokens already sent, so no token is lost."""
-        failed = self._inflight[0] if self._inflight else None
-        logger.warning("step %d failed (%s: %s); re-admitting %d running sequences",
-                       failed.step_id if failed else self.step_id, exc.code, exc.details,
-                       len(self.running))
-        # Only the failed Step's sequences are suspects: those first sent in a later Step
-        # never ran.
-        suspects = ({sid for members in failed.plan.groups for sid in members} if failed
-                    else set(self.running))
-        self._recovering = True
-        self._set_worker_up(False)
-        self._close_stream()  # the Steps sent after the failed one are void
-        readmit = list(self.running.values())
-        take_off_worker(readmit)
-        self.running.clear()
-        self.to_release.clear()
-        self.planner.forget()
-        # A request that makes the worker's Step raise (e.g. a temperature that is 0 in
-        # float32 gives NaN probabilities) fails its re-prefill too and would be re-admitted
-        # forever, starving everyone else. So the re-admitted sequences are prefilled one
-        # per Step, and the culprit, failing alone MAX_STEP_FAILURES times in a row with no
-        # token in between, is failed instead of re-admitted.
-        for s in readmit:
-            if s.seq_id in suspects:
-                self._step_failures[s.seq_id] = self._step_failures.get(s.seq_id, 0) + 1
-        poisoned = [s for s in readmit
-                    if self._step_failures.get(s.seq_id, 0) >= MAX_STEP_FAILURES]
-        gone = {s.seq_id for s in poisoned}
-        readmit = [s for s in readmit if s.seq_id not in gone]
-        for s in poisoned:
-            self._fail(s, f"generation failed: the worker failed {MAX_STEP_FAILURES} steps in a "
-                          f"row with this request ({exc.code}: {exc.details})")
-        self.waiting.push_front(readmit)
-        self._one_at_a_time = len(readmit)
-        try:
-            self._use(await self._wait_for_worker())
-        finally:
-            self._recovering = False
-        self._set_worker_up(True)
-
-    async def _wait_for_worker(self) -> WorkerInfo:
-        """Until a worker serves again. Meanwhile a request fails UNAVAILABLE once it has
-        waited worker_timeout (counted from the failure for those already running), so
-        nothing hangs on a worker that does not come back."""
-        down_since = time.monotonic()
-        while True:
-            try:
-                return await self.worker.wait_ready(1.0)
-            except WorkerUnavailable as err:
-                self.hand_off_waiting()
-                now = time.monotonic()
-                expired = [s for s in self.waiting
-                           if now - max(s.arrival_time, down_since) >= self.worker_timeout]
-                if expired:
-                    logger.error("%s; failing %d requests that waited %g s", err, len(expired),
-                                 self.worker_timeout)
-                for s in expired:
-                    self.waiting.remove(s)
-                    self._fail(s, f"no worker has served for {self.worker_timeout:g} s "
-                                  f"({err}); retry later")
-                self.metrics.set_waiting(self.name, len(self.waiting))
