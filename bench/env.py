@@ -44,6 +44,15 @@ def load_average() -> list[float] | None:
     return None
 
 
+def uptime() -> str:
+    """`uptime`'s line (the load averages a reader checks first); '' where it is missing."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def environment() -> dict:
     import torch
     import transformers

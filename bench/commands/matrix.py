@@ -19,21 +19,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import subprocess
 from pathlib import Path
 
 from bench.commands.common import (prepare, selected_peers, server_options, slo_limits,
                                    vllm_kwargs, without_per_request)
-from bench.commands.serve import knee, realized_rate
-from bench.env import environment
+from bench.env import environment, uptime
 from bench.floor import ModelShape, run_floor
 from bench.loadgen import SeqserveTarget
 from bench.machine_rates import M_GRID, QUICK_M_GRID, measure_bandwidth, measure_model
 from bench.matrix_models import MATRIX_MODELS, resolve_model
 from bench.matrix_report import matrix_markdown
 from bench.peer_systems import bench_hf, bench_hf_cb, run_vllm, vllm_summary
+from bench.rate_points import curve, knee, run_rate_points
 from bench.report import write
-from bench.workload import WORKLOADS, arrivals, build_workload_requests, load_workload, Scale
+from bench.workload import WORKLOADS, load_workload, Scale
 
 logger = logging.getLogger("seqserve.bench")
 
@@ -41,15 +40,6 @@ MATRIX_TRACES = ("azure-conv", "azure-code", "mooncake")
 MATRIX_FRACTIONS = (0.5, 0.75, 0.9, 1.1)
 QUICK = {"models": ("tiny",), "fractions": (0.5, 1.1), "num_requests": 4, "max_prompt": 64,
          "max_output": 8, "kv_cache_bytes": 256 << 20, "vllm_kv_gib": 1}
-
-
-def uptime() -> str:
-    """`uptime`'s line (the load averages a reader checks first); '' where it is missing."""
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
 
 
 def apply_quick(args) -> None:
@@ -81,22 +71,10 @@ def _run_seqserve(args, model_dir: Path, traces: dict, slo) -> None:
                             server_options=server_options(args))
     with target:
         for name, t in traces.items():
-            cap = target.run(t["requests"], slo=slo)
-            base = cap["request_throughput"]
-            t["offline_request_rate"] = base
-            t["points"] = [{"label": "all at once", "rate": None, "requests": t["requests"],
-                            "offsets": [0.0] * len(t["requests"]), "seqserve": cap}]
-            for i, fr in enumerate(args.rate_fractions):
-                rate = round(base * fr, 3)
-                reqs = build_workload_requests(tokenizer, name, t["items"], args.seed + 1 + i,
-                                               args.mooncake_block)
-                offs = arrivals("poisson", t["items"], rate=rate, seed=args.seed)
-                logger.info("matrix: seqserve %s, %s, Poisson %g requests/s (%g x offline)",
-                            model_dir.name, name, rate, fr)
-                t["points"].append({"label": f"Poisson {rate:g}/s ({fr:g}x)", "rate": rate,
-                                    "fraction": fr, "requests": reqs, "offsets": offs,
-                                    "realized_rate": realized_rate(offs),
-                                    "seqserve": target.run(reqs, offs, None, slo)})
+            logger.info("matrix: seqserve %s, %s", model_dir.name, name)
+            t["offline_request_rate"], t["points"] = run_rate_points(
+                target, tokenizer, name, t["items"], t["requests"], args.rate_fractions,
+                seed=args.seed, block_tokens=args.mooncake_block, slo=slo)
 
 
 def _run_vllm(args, model_dir: Path, traces: dict, slo) -> str | None:
@@ -140,8 +118,7 @@ def _cell(model: str, model_dir: Path, name: str, t: dict, floor_of) -> dict:
                 out[system] = without_per_request(p[system])
                 out[f"{system}_per_request"] = p[system].get("per_request")
         points.append(out)
-    curves = {s: [{"rate": p["rate"], "arrival_span_s": p["arrival_span_s"],
-                   "summary": p[s]} for p in points[1:] if s in p] for s in ("seqserve", "vllm")}
+    curves = {s: curve(t["points"], s) for s in ("seqserve", "vllm")}
     return {"model": model, "model_dir": str(model_dir), "trace": name,
             "workload": t["meta"], "offline_request_rate": t.get("offline_request_rate"),
             "knee": {"seqserve": knee(curves["seqserve"]),

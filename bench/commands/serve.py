@@ -6,46 +6,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
 
 from bench.plots import plot_cdfs, plot_load_sweep
 from bench.commands.common import (logger, prepare, selected_peers, server_options,
                                    slo_limits, vllm_kwargs, without_per_request)
 from bench.loadgen import SeqserveTarget
 from bench.peer_systems import run_vllm, vllm_summary
+from bench.rate_points import KNEE_RULE, knee, realized_rate
 from bench.report import serve_markdown, write
 from bench.workload import (Scale, arrivals, build_workload_requests, describe_arrivals,
                             load_workload)
 
 RATE_FRACTIONS = (0.25, 0.5, 0.75, 0.9, 1.1, 1.5)
-
-
-def knee(points: Sequence[dict], factor: float = 2.0, keep_up: float = 0.9) -> float | None:
-    """The highest offered rate up to which the system kept up and p99 E2E stayed within
-    `factor` x its value at the lowest rate. Keeping up: achieved requests/s >= `keep_up` x
-    n / (arrival span + the lowest rate's mean E2E), what the system achieves when requests
-    do not queue. None when even the lowest rate fails."""
-    pts = sorted(points, key=lambda p: p["rate"])
-    if not pts:
-        return None
-    base = pts[0]["summary"]["e2e"]
-    best = None
-    for p in pts:
-        s = p["summary"]
-        span = p.get("arrival_span_s") or s["completed"] / p["rate"]
-        unqueued = s["completed"] / (span + base["mean_ms"] / 1000)
-        if (s["request_throughput"] >= keep_up * unqueued
-                and s["e2e"]["p99_ms"] <= factor * base["p99_ms"]):
-            best = p["rate"]
-        else:
-            break
-    return best
-
-
-def realized_rate(offsets: Sequence[float]) -> float:
-    """Arrivals per second the offsets actually carry: (n - 1) / span."""
-    span = max(offsets) - min(offsets)
-    return (len(offsets) - 1) / span if span > 0 else float("inf")
 
 
 def run(args, prepared=None) -> dict:
@@ -121,9 +93,7 @@ def run(args, prepared=None) -> dict:
     if sweep:
         result["knee"] = {"seqserve": knee(result["seqserve"]),
                           "vllm": knee(result["vllm"]) if result["vllm"] else None,
-                          "rule": "highest offered rate up to which the system keeps up "
-                                  "(achieved >= 90% of n / (arrival span + the lowest rate's "
-                                  "mean E2E)) with p99 E2E <= 2x its value at the lowest rate"}
+                          "rule": KNEE_RULE}
     md = serve_markdown(result)
     plots = []
     if args.plot_dir:
