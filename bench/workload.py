@@ -223,6 +223,7 @@ class BenchRequest:
     prompt_ids: list[int]
     output_len: int
     cached_prompt: str = ""  # sent as `cached_prompt`; its tokens are part of prompt_ids
+    priority: int = 0  # sent as GenerateRequest.priority (lower is more urgent)
 
     @property
     def prompt_len(self) -> int:
