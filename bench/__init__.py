@@ -8,6 +8,7 @@
     python -m bench serve        # load generator: at once, Poisson, trace times
     python -m bench ceiling      # the model's own forward throughput at given shapes
     python -m bench matrix       # seqserve vs vLLM/HF: models x traces x rates; the floor
+    python -m bench policies     # scheduling policies vs FCFS at fractions of its knee
     python -m bench all          # every figure of docs/benchmarks.md
 
 With no subcommand `throughput` runs.

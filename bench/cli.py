@@ -6,15 +6,16 @@ import logging
 import sys
 from typing import Sequence
 
-from bench.commands import (all_figures, ceiling, matrix, partition, peers, prefix,
-                            replicas, scheduler_cost, serve, sweep, throughput)
+from bench.commands import (all_figures, ceiling, matrix, partition, peers, policies,
+                            prefix, replicas, scheduler_cost, serve, sweep, throughput)
 from bench.commands.common import set_command_line
 from bench.parser import COMMANDS, build_parser
 
 HANDLERS = {"throughput": throughput.run, "sweep": sweep.run, "partition": partition.run,
             "prefix": prefix.run, "serve": serve.run, "peers": peers.run,
             "ceiling": ceiling.run, "matrix": matrix.run, "all": all_figures.run,
-            "scheduler-cost": scheduler_cost.run, "replicas": replicas.run}
+            "scheduler-cost": scheduler_cost.run, "replicas": replicas.run,
+            "policies": policies.run}
 
 
 def main(argv: Sequence[str] | None, doc: str) -> int:

@@ -7,13 +7,17 @@ import argparse
 from pathlib import Path
 
 from bench.commands.common import DEFAULT_MODEL
+from bench.commands.matrix import MATRIX_FRACTIONS
 from bench.commands.serve import RATE_FRACTIONS
 from bench.commands.sweep import SWEEP_SPARSITIES, SWEEP_SPLITS
+from bench.policy_plan import (DEFAULT_FRACTIONS, DEFAULT_POLICIES, DEFAULT_REQUESTS,
+                               DEFAULT_URGENT_FRACTION, DEFAULT_WARMUP, DEFAULT_WORKLOADS,
+                               URGENT_PRIORITY)
 from bench.peer_systems import PEERS
 from bench.workload import ARRIVALS, WORKLOADS
 
 COMMANDS = ("throughput", "sweep", "partition", "prefix", "serve", "peers", "ceiling", "matrix",
-            "all", "scheduler-cost", "replicas")
+            "all", "scheduler-cost", "replicas", "policies")
 
 
 def _floats(text: str) -> list[float]:
@@ -226,6 +230,38 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     rp.add_argument("--configs", default="1x2,2x1",
                     help="WORKERSxTHREADS or tpDxTHREADS, comma-separated (1x2,2x1)")
     rp.add_argument("--repeats", type=int, default=1, help="runs of every config (1)")
+    _policies_parser(sub, [common, srv, slo, prs])
     sub.add_parser("all", parents=[common, srv, hf, slo, prs, load, swp, prt, pfx],
                    help="every figure: peers, sweep, partition, prefix, Poisson sweep")
     return parser
+
+
+def _policies_parser(sub, parents) -> None:
+    pp = sub.add_parser("policies", parents=parents,
+                        help="each scheduling policy against FCFS at fractions of FCFS's knee, "
+                             "per trace (issue 19; make bench-policies)")
+    # Defaults of this command, not of the shared groups: SmolLM2, no peer unless asked,
+    # and DEFAULT_REQUESTS measured rows (see bench/policy_plan.py for why that many).
+    pp.set_defaults(model=None, peers=[], num_requests=None)
+    g = pp.add_argument_group("policies")
+    g.add_argument("--workloads", type=_list, default=list(DEFAULT_WORKLOADS),
+                   help="comma-separated traces (azure-conv,azure-code,mooncake)")
+    g.add_argument("--policies", type=_list, default=list(DEFAULT_POLICIES),
+                   help="comma-separated: fcfs (required), fcfs-unchunked, priority, mlfq, "
+                        "length-aware (all)")
+    g.add_argument("--rate-fractions", type=_floats, default=list(DEFAULT_FRACTIONS),
+                   help="Poisson rates as fractions of FCFS's knee (0.5,0.8,1.0)")
+    g.add_argument("--knee-fractions", type=_floats, default=list(MATRIX_FRACTIONS),
+                   help="the knee probes, fractions of FCFS's all-at-once request rate, as "
+                        "the matrix's (0.5,0.75,0.9,1.1)")
+    g.add_argument("--urgent-fraction", type=float, default=DEFAULT_URGENT_FRACTION,
+                   help="fraction of requests sent as urgent, seeded (0.1)")
+    g.add_argument("--urgent-priority", type=int, default=URGENT_PRIORITY,
+                   help="their priority; the others send 0 (-10; lower is more urgent)")
+    g.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
+                   help="trace rows before the measured ones, sent all at once to every "
+                        "server first and not measured (64)")
+    counts = ", ".join(f"{k} {v}" for k, v in DEFAULT_REQUESTS.items())
+    pp.epilog = ("--model defaults to smollm2 (bfloat16, bench/matrix_models.py), "
+                 f"--num-requests (for every trace where given) to {counts}; lengths are "
+                 "scaled as the matrix's.")
