@@ -45,7 +45,11 @@ def _names(text: str) -> list[str]:
     return names
 
 
-def build_parser(doc: str) -> argparse.ArgumentParser:
+# The parent groups are functions: argparse shares a parent's argument objects with every
+# subcommand built from it, so a subcommand that changes a default (policies) takes fresh ones.
+
+
+def _common() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     g = common.add_argument_group("workload and output")
     g.add_argument("--model", type=Path, default=DEFAULT_MODEL,
@@ -73,25 +77,27 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                    help="any seqserve serving option for both processes, e.g. "
                         "max_num_batched_tokens=2048 (repeatable)")
     g.add_argument("--log-level", default="INFO")
+    return common
 
+
+def _srv() -> argparse.ArgumentParser:
     srv = argparse.ArgumentParser(add_help=False)
     g = srv.add_argument_group("seqserve configuration")
     g.add_argument("--max-sparsity", type=float, default=0.33)
     g.add_argument("--max-splits", type=int, default=3)
+    return srv
 
-    hf = argparse.ArgumentParser(add_help=False)
-    g = hf.add_argument_group("HF peers")
-    g.add_argument("--hf-batch-size", type=int, default=16)
-    g.add_argument("--hf-threads", type=int, default=None,
-                   help="torch threads for the in-process peers and the ceiling (all cores)")
-    g.add_argument("--no-hf", action="store_true", help="throughput: skip the HF baseline")
 
+def _slo() -> argparse.ArgumentParser:
     slo = argparse.ArgumentParser(add_help=False)
     g = slo.add_argument_group("goodput (vLLM: a request is good when it meets every limit)")
     g.add_argument("--goodput-ttft-ms", type=float, default=None)
     g.add_argument("--goodput-tpot-ms", type=float, default=None)
     g.add_argument("--goodput-e2e-ms", type=float, default=None)
+    return slo
 
+
+def _peers() -> argparse.ArgumentParser:
     prs = argparse.ArgumentParser(add_help=False)
     g = prs.add_argument_group("peers and vLLM")
     g.add_argument("--peers", type=_names, default=list(PEERS),
@@ -119,6 +125,17 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                    help="LD_PRELOAD libiomp5 (from the peer venv) and libtcmalloc (where "
                         "installed) for vLLM, as its CPU guide advises")
     g.add_argument("--plot-dir", default="docs", help="PNG directory ('' for none)")
+    return prs
+
+
+def build_parser(doc: str) -> argparse.ArgumentParser:
+    common, srv, slo, prs = _common(), _srv(), _slo(), _peers()
+    hf = argparse.ArgumentParser(add_help=False)
+    g = hf.add_argument_group("HF peers")
+    g.add_argument("--hf-batch-size", type=int, default=16)
+    g.add_argument("--hf-threads", type=int, default=None,
+                   help="torch threads for the in-process peers and the ceiling (all cores)")
+    g.add_argument("--no-hf", action="store_true", help="throughput: skip the HF baseline")
 
     load = argparse.ArgumentParser(add_help=False)
     g = load.add_argument_group("arrivals")
@@ -230,7 +247,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     rp.add_argument("--configs", default="1x2,2x1",
                     help="WORKERSxTHREADS or tpDxTHREADS, comma-separated (1x2,2x1)")
     rp.add_argument("--repeats", type=int, default=1, help="runs of every config (1)")
-    _policies_parser(sub, [common, srv, slo, prs])
+    _policies_parser(sub, [_common(), _srv(), _slo(), _peers()])
     sub.add_parser("all", parents=[common, srv, hf, slo, prs, load, swp, prt, pfx],
                    help="every figure: peers, sweep, partition, prefix, Poisson sweep")
     return parser

@@ -42,6 +42,16 @@ def test_defaults_are_the_issues_run():
     assert parse("--peers", "vllm").peers == ["vllm"]
 
 
+def test_the_commands_own_defaults_leave_the_other_commands_alone():
+    from bench.commands.common import DEFAULT_MODEL
+    from bench.peer_systems import PEERS
+
+    for command in ("matrix", "serve", "peers"):
+        args = build_parser("doc\n\nepilog").parse_args([command])
+        assert args.peers == list(PEERS), command
+        assert (args.model, args.num_requests) == (DEFAULT_MODEL, 64), command
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--policies", "fcfs,sjf"], "unknown polic"),
     (["--policies", "fcfs,mlfq,mlfq"], "twice"),
