@@ -19,6 +19,7 @@ strings, including stop strings that span chunk (token) boundaries.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
@@ -53,6 +54,25 @@ _MAX_PENDING_TOKENS = 8
 # boundary (in practice: invalid bytes from a broken or random model) gets
 # here; without it such a stream would make every decode O(generated length).
 _FORCE_SLIDE_TOKENS = 32
+
+
+# decode([token]) per tokenizer and skip_special_tokens, shared by every stream: once
+# the window slides, the new context is usually the one token just emitted, and its
+# text is what the next step's prefix decode would compute again. A single token's
+# decode depends on nothing else, so the table is exact, and at most the vocabulary big.
+_SINGLE_TOKEN_TEXT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def single_token_texts(tokenizer: PreTrainedTokenizerBase,
+                       skip_special_tokens: bool) -> dict[int, str]:
+    """The shared decode([token]) table of a tokenizer (filled as tokens are seen)."""
+    try:
+        tables = _SINGLE_TOKEN_TEXT.get(tokenizer)
+        if tables is None:
+            tables = _SINGLE_TOKEN_TEXT[tokenizer] = ({}, {})
+    except TypeError:  # a tokenizer that takes no weak reference: a table of its own
+        return {}
+    return tables[skip_special_tokens]
 
 
 def _common_prefix_len(a: str, b: str) -> int:
@@ -105,6 +125,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._single = single_token_texts(tokenizer, skip_special_tokens)
         # Only the last few prompt tokens are kept: they are context for the
         # decoder, never emitted.
         start = max(len(prompt_ids) - _PROMPT_CONTEXT_TOKENS, 0)
@@ -132,7 +153,14 @@ class IncrementalDetokenizer:
 
     def _get_prefix_text(self) -> str:
         if self._prefix_text is None:
-            self._prefix_text = self._decode(self._window[: self._read]) if self._read else ""
+            if self._read == 1:
+                token = self._window[0]
+                text = self._single.get(token)
+                if text is None:
+                    text = self._single[token] = self._decode(self._window[:1])
+                self._prefix_text = text
+            else:
+                self._prefix_text = self._decode(self._window[: self._read]) if self._read else ""
         return self._prefix_text
 
     def _slide(self) -> None:

@@ -78,6 +78,11 @@ class StepAnswer:
                             tuple((a.id, a.logprob) for a in t.top_logprobs),
                             t.beam_running,
                             tuple((tuple(b.token_ids), b.score) for b in t.beams))
+                  if t.top_logprobs or t.beams or t.HasField("logprob")
+                  # the common token, built without the empty tuples' generators: this
+                  # runs for every token of every Step
+                  else StepToken(t.sequence_id, t.token_id, t.cached_tokens, None, (),
+                                 t.beam_running)
                   for t in r.tokens]
         return cls(r.step_id, tokens, r.worker_seconds, r.regroup_bytes, r.kv_slots,
                    r.kv_tokens, r.prefix_cache_bytes)

@@ -334,3 +334,24 @@ def test_stop_spanning_two_real_tokens(tokenizer: PreTrainedTokenizerBase) -> No
     assert stopped_at == i + 1  # caught on the second token, not before
     assert "".join(out) == text[: text.find(stop)]
     assert stop not in "".join(out)
+
+
+def test_single_token_context_is_decoded_once_per_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
+    # After each slide the context is the one token just emitted; its text comes from the
+    # tokenizer's shared table, so a stream over known tokens decodes once per token.
+    calls: list[int] = []
+
+    class CountingTokenizer:
+        def decode(self, ids: list[int], **kwargs: bool) -> str:
+            calls.append(len(ids))
+            return tokenizer.decode(ids, **kwargs)
+
+    counting = CountingTokenizer()
+    prompt_ids = _encode(tokenizer, "prompt " * 5)
+    gen_ids = _encode(tokenizer, "hello world and more " * 5)
+    for _ in range(2):
+        calls.clear()
+        detok = IncrementalDetokenizer(counting, prompt_ids, skip_special_tokens=True)  # type: ignore[arg-type]
+        out = "".join(detok.add(t) for t in gen_ids) + detok.flush()
+        assert out == tokenizer.decode(gen_ids)
+    assert len(calls) <= len(gen_ids) + 2  # the prompt's context, then one per token
