@@ -86,13 +86,35 @@ def build_request(prompt: str | Sequence[int], cached_prompt: str = "", request_
     return request
 
 
+def response_tokens(msg: generate_pb2.GenerateResponse) -> list[generate_pb2.Token]:
+    """The tokens of a streamed message: none, one (`token`) or several (`tokens`, when
+    the stream fell behind and the server sent what piled up at once)."""
+    if msg.HasField("token"):
+        return [msg.token]
+    return list(msg.tokens)
+
+
+def _token_chunk(token: generate_pb2.Token, text: str) -> Chunk:
+    chunk = Chunk(text=text, token_id=token.id)
+    if token.HasField("logprob"):
+        chunk.logprob = token.logprob
+    chunk.top_logprobs = [(t.id, t.logprob) for t in token.top_logprobs]
+    return chunk
+
+
+def to_chunks(msg: generate_pb2.GenerateResponse) -> list[Chunk]:
+    """The Chunks of a streamed message, one per token, so a message that carries several
+    tokens reads as if they had come one by one."""
+    if msg.tokens:
+        return [_token_chunk(t, text) for t, text in zip(msg.tokens, msg.token_texts)]
+    return [to_chunk(msg)]
+
+
 def to_chunk(msg: generate_pb2.GenerateResponse) -> Chunk:
+    """The Chunk of a message with at most one token (see to_chunks)."""
     chunk = Chunk(text=msg.text)
     if msg.HasField("token"):
-        chunk.token_id = msg.token.id
-        if msg.token.HasField("logprob"):
-            chunk.logprob = msg.token.logprob
-        chunk.top_logprobs = [(t.id, t.logprob) for t in msg.token.top_logprobs]
+        chunk = _token_chunk(msg.token, msg.text)
     if msg.finish_reason:
         chunk.finish_reason = FINISH_REASONS[msg.finish_reason]
         chunk.prompt_tokens = msg.usage.prompt_tokens
@@ -159,7 +181,7 @@ class Client:
     def stream(self, prompt: str | Sequence[int], **params: Any) -> Iterator[Chunk]:
         for msg in self.stub.Generate(build_request(prompt, **params), timeout=self.timeout,
                                       metadata=self.metadata):
-            yield to_chunk(msg)
+            yield from to_chunks(msg)
 
     def generate(self, prompt: str | Sequence[int], **params: Any) -> Reply:
         return collect(self.stream(prompt, **params))
@@ -196,7 +218,8 @@ class AsyncClient:
         call = self.stub.Generate(build_request(prompt, **params), timeout=self.timeout,
                                   metadata=self.metadata)
         async for msg in call:
-            yield to_chunk(msg)
+            for chunk in to_chunks(msg):
+                yield chunk
 
     async def generate(self, prompt: str | Sequence[int], **params: Any) -> Reply:
         return collect([c async for c in self.stream(prompt, **params)])

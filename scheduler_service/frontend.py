@@ -30,7 +30,23 @@ MAX_CHARS_PER_TOKEN = 64
 # Choices per prompt (OpenAI's `n`): each is a sequence of its own.
 MAX_CHOICES = 16
 
+# Events handed out together at most (event_batches): bounds a catching-up message's size.
+MAX_EVENTS_PER_BATCH = 64
+
 Prompt = str | list[int]  # text, or token ids as the model's tokenizer makes them
+
+
+def take_pending(queue: asyncio.Queue, first: TokenEvent | FinishEvent,
+                 limit: int = MAX_EVENTS_PER_BATCH) -> list[TokenEvent | FinishEvent]:
+    """`first` and the events queued behind it, at most `limit`, ending at a FinishEvent
+    (nothing follows one)."""
+    batch = [first]
+    while len(batch) < limit and not isinstance(batch[-1], FinishEvent):
+        try:
+            batch.append(queue.get_nowait())
+        except asyncio.QueueEmpty:
+            break
+    return batch
 
 
 class Unavailable(Exception):
@@ -135,6 +151,26 @@ class Frontend:
                     if event.reason == FinishReason.ERROR:
                         self.metrics.requests_failed.labels("UNAVAILABLE").inc()
                 yield event
+                if done:
+                    return
+        finally:
+            if not done and self.state is not None:
+                self.state.workers.cancel(seq)
+
+    async def event_batches(self, seq: Sequence
+                            ) -> AsyncIterator[list[TokenEvent | FinishEvent]]:
+        """The sequence's events as `events` gives them, but each time with every event
+        already queued behind the first (see take_pending): a stream that fell behind
+        catches up in one message. Cancels the sequence if the caller stops early."""
+        done = False
+        try:
+            while True:
+                batch = take_pending(seq.events, await seq.events.get())
+                if isinstance(batch[-1], FinishEvent):
+                    done = True
+                    if batch[-1].reason == FinishReason.ERROR:
+                        self.metrics.requests_failed.labels("UNAVAILABLE").inc()
+                yield batch
                 if done:
                     return
         finally:

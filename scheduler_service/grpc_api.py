@@ -61,16 +61,20 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         seq = await self._start(request, context)
-        async for event in self.frontend.events(seq):
-            if isinstance(event, TokenEvent):
+        # One message per token while the client keeps up; the tokens that piled up while
+        # it did not go in one message (token_response): a message costs the scheduler a
+        # send, which is most of its cost per token.
+        async for batch in self.frontend.event_batches(seq):
+            end = batch[-1] if isinstance(batch[-1], FinishEvent) else None
+            tokens = batch[:-1] if end is not None else batch
+            if tokens:
+                yield token_response(seq.request_id, tokens)
+            if end is not None:
+                await _abort_on_error(end, context)
                 yield generate_pb2.GenerateResponse(
-                    request_id=seq.request_id, token=_token(event), text=event.text)
-            else:
-                await _abort_on_error(event, context)
-                yield generate_pb2.GenerateResponse(
-                    request_id=seq.request_id, text=event.text,
-                    finish_reason=_FINISH[event.reason], usage=_usage(event),
-                    sequences=_sequences(event))
+                    request_id=seq.request_id, text=end.text,
+                    finish_reason=_FINISH[end.reason], usage=_usage(end),
+                    sequences=_sequences(end))
 
     async def GenerateUnary(self, request, context):
         seq = await self._start(request, context)
@@ -142,6 +146,18 @@ def add_to_server(servicer: GenerationServicer, server) -> None:
 async def _abort_on_error(event: FinishEvent, context) -> None:
     if event.reason == FinishReason.ERROR:
         await context.abort(grpc.StatusCode.UNAVAILABLE, event.error or "generation failed")
+
+
+def token_response(request_id: str, events: list[TokenEvent]) -> generate_pb2.GenerateResponse:
+    """The streamed message of one token (in `token`) or of several (in `tokens`, with
+    each one's text in `token_texts` and all of it in `text`)."""
+    if len(events) == 1:
+        return generate_pb2.GenerateResponse(request_id=request_id, token=_token(events[0]),
+                                             text=events[0].text)
+    texts = [e.text for e in events]
+    return generate_pb2.GenerateResponse(request_id=request_id,
+                                         tokens=[_token(e) for e in events],
+                                         token_texts=texts, text="".join(texts))
 
 
 def _token(event: TokenEvent) -> generate_pb2.Token:

@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from bench.deployment import Deployment
 from bench.metrics import scrape
 from bench.processes import health_status
-from client.api import build_request
+from client.api import build_request, response_tokens
 from seqserve.v1 import generate_pb2
 from tests import reference
 from tests.conftest import tiny_model
@@ -398,7 +398,7 @@ def run_case(s: Server, case: Case) -> Outcome:
     try:
         if case.method == "stream":
             msgs = list(s.stream(case.payload, timeout=CALL_TIMEOUT))
-            toks = [m.token for m in msgs if m.HasField("token")]
+            toks = [t for m in msgs for t in response_tokens(m)]
             last = msgs[-1]
             out = Outcome(grpc.StatusCode.OK, text="".join(m.text for m in msgs),
                           finish=last.finish_reason, usage=last.usage,

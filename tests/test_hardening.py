@@ -24,6 +24,7 @@ import pytest
 from bench.deployment import Deployment
 from bench.metrics import scrape
 from client import Client
+from client.api import response_tokens
 from scheduler_service import params
 from scheduler_service.params import Limits, RequestError, resolve
 from seqserve.v1 import generate_pb2, generate_pb2_grpc
@@ -368,7 +369,7 @@ def test_grpc_top_logprobs_have_text(server):
     with grpc.insecure_channel(server.address) as ch:
         stub = generate_pb2_grpc.GenerationStub(ch)
         reply = stub.GenerateUnary(req, timeout=60)
-        streamed = [m.token for m in stub.Generate(req, timeout=60) if m.HasField("token")]
+        streamed = [t for m in stub.Generate(req, timeout=60) for t in response_tokens(m)]
     for tokens in (list(reply.tokens), streamed):
         assert len(tokens) == 6
         tops = [t for token in tokens for t in token.top_logprobs]

@@ -1,0 +1,54 @@
+"""A client stream that fell behind catches up in one message: the server's take-up of
+the queued events (frontend.take_pending), the message of several tokens
+(grpc_api.token_response) and the client reading it back token by token (client.api)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from seqserve.v1 import generate_pb2
+
+from client.api import response_tokens, to_chunk, to_chunks
+from scheduler_service.frontend import take_pending
+from scheduler_service.grpc_api import token_response
+from scheduler_service.sequence import FinishEvent, FinishReason, TokenEvent
+
+EVENTS = [TokenEvent(5, "Hel"),
+          TokenEvent(6, "", -0.5, [(6, -0.5), (9, -1.25)], ["lo", " x"]),
+          TokenEvent(7, "lo wörld", -0.125, [], [])]
+
+
+def _queue(events) -> asyncio.Queue:
+    q: asyncio.Queue = asyncio.Queue()
+    for e in events:
+        q.put_nowait(e)
+    return q
+
+
+def test_take_pending_takes_what_is_queued_up_to_the_finish_and_the_limit() -> None:
+    end = FinishEvent(FinishReason.LENGTH, "", 3, 4, 0)
+    q = _queue([EVENTS[1], end, EVENTS[2]])
+    assert take_pending(q, EVENTS[0]) == [EVENTS[0], EVENTS[1], end]
+    assert q.qsize() == 1  # nothing is taken past a finish
+    q = _queue(EVENTS * 3)
+    assert take_pending(q, EVENTS[0], limit=4) == [EVENTS[0], *EVENTS]
+    assert q.qsize() == 6
+    assert take_pending(_queue([]), EVENTS[0]) == [EVENTS[0]]
+
+
+def test_several_tokens_in_one_message_read_back_as_one_by_one() -> None:
+    one_by_one = [to_chunk(token_response("r", [e])) for e in EVENTS]
+    wire = token_response("r", EVENTS).SerializeToString()
+    msg = generate_pb2.GenerateResponse.FromString(wire)
+    assert not msg.HasField("token") and msg.text == "Hello wörld"
+    assert to_chunks(msg) == one_by_one
+    assert [t.id for t in response_tokens(msg)] == [5, 6, 7]
+    assert [c.token_id for c in one_by_one] == [5, 6, 7]
+    assert one_by_one[1].logprob == -0.5 and one_by_one[1].top_logprobs == [(6, -0.5), (9, -1.25)]
+
+
+def test_one_token_goes_in_the_token_field_as_before() -> None:
+    msg = token_response("r", EVENTS[:1])
+    assert msg.HasField("token") and not msg.tokens and msg.text == "Hel"
+    assert [c.token_id for c in to_chunks(msg)] == [5]
+    assert [t.id for t in response_tokens(msg)] == [5]
