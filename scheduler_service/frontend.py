@@ -41,11 +41,9 @@ def take_pending(queue: asyncio.Queue, first: TokenEvent | FinishEvent,
     """`first` and the events queued behind it, at most `limit`, ending at a FinishEvent
     (nothing follows one)."""
     batch = [first]
-    while len(batch) < limit and not isinstance(batch[-1], FinishEvent):
-        try:
-            batch.append(queue.get_nowait())
-        except asyncio.QueueEmpty:
-            break
+    # empty() before get_nowait(): the usual case, nothing queued, raises no exception.
+    while len(batch) < limit and not isinstance(batch[-1], FinishEvent) and not queue.empty():
+        batch.append(queue.get_nowait())
     return batch
 
 
