@@ -67,9 +67,12 @@ class Reply:
 
 
 def build_request(prompt: str | Sequence[int], cached_prompt: str = "", request_id: str = "",
-                  priority: int = 0, **params: Any) -> generate_pb2.GenerateRequest:
+                  priority: int = 0, length_hint: int | None = None,
+                  eos_after_tokens: int | None = None, **params: Any
+                  ) -> generate_pb2.GenerateRequest:
     """A GenerateRequest for a text prompt or a list of token ids; keyword arguments are
-    DecodingParameters fields (stop: list). `priority`: lower is more urgent."""
+    DecodingParameters fields (stop: list). `priority`: lower is more urgent;
+    `length_hint` and `eos_after_tokens` as in generate.proto."""
     stop = params.pop("stop", None)
     if isinstance(params.get("early_stopping"), bool):  # the proto field is a string
         params["early_stopping"] = "true" if params["early_stopping"] else "false"
@@ -78,6 +81,10 @@ def build_request(prompt: str | Sequence[int], cached_prompt: str = "", request_
         dp.stop.extend([stop] if isinstance(stop, str) else stop)
     request = generate_pb2.GenerateRequest(cached_prompt=cached_prompt, parameters=dp,
                                            request_id=request_id, priority=priority)
+    if length_hint is not None:
+        request.length_hint = length_hint
+    if eos_after_tokens is not None:
+        request.eos_after_tokens = eos_after_tokens
     if isinstance(prompt, str):
         request.inputs = prompt
     else:

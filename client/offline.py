@@ -19,6 +19,12 @@ splitting, worker and sampler, and so the same tokens a single request would get
 output is the row's prompt without padding followed by its generated tokens (an EOS the
 model produced included), as Hugging Face's and the seed's generate return them.
 
+For the paper's sequence scheduling of a batch job (groups of similar predicted length,
+VBS and FCR; docs/scheduling.md), serve with option.scheduling_policy=length-batched and
+send the whole job at once (`max_in_flight` >= the rows, within the server's max_queue),
+so the scheduler groups every row; `length_hints` passes lengths the caller already knows
+or predicts (one per row), which that policy uses instead of its own predictor.
+
 It talks to a server rather than running the model in this process so that one code
 path serves both: the worker keeps its compute on its own main thread (worker_service/
 compute.py says why), and a script needs no torch (`bench.deployment.Deployment` starts a
@@ -114,7 +120,8 @@ class OfflineModel:
                  pad_token_id: int | None = None, attention_mask: Any = None,
                  padding_side: str = "auto", max_new_tokens: int | None = None,
                  do_sample: bool = False, seed: int | None = None,
-                 include_prompt: bool = True, **params: Any) -> list[list[int]]:
+                 include_prompt: bool = True, length_hints: Sequence[int] | None = None,
+                 **params: Any) -> list[list[int]]:
         """Generate for every row of `input_ids` ([batch, length], padded with `pad_token`;
         `pad_token_id` is the same, by Hugging Face's name) and return one list of ids per
         row: its unpadded prompt (unless `include_prompt` is false) and what followed.
@@ -125,7 +132,8 @@ class OfflineModel:
         still get independent samples, and row i gets what a request of its own with
         seed + i gets. `num_beams` > 1 is beam search (`length_penalty`, `early_stopping`,
         `num_return_sequences`, as in Hugging Face's generate): each row then gives
-        num_return_sequences outputs in a row, best first."""
+        num_return_sequences outputs in a row, best first. `length_hints`: each row's
+        expected output tokens, for option.scheduling_policy=length-batched."""
         if pad_token is None:
             pad_token = pad_token_id
         elif pad_token_id is not None and pad_token_id != pad_token:
@@ -136,10 +144,15 @@ class OfflineModel:
                              "(tokenizer.pad_token_id)")
         prompts = strip_padding(input_ids, pad_token, padding_side, attention_mask)
         params = {**params, "max_new_tokens": max_new_tokens, "do_sample": do_sample}
-        requests = [build_request(p, **params, seed=None if seed is None else seed + i)
-                    for i, p in enumerate(prompts)]
+        if length_hints is not None and len(length_hints) != len(prompts):
+            raise ValueError(f"length_hints has {len(length_hints)} values for "
+                             f"{len(prompts)} rows; give one per row")
+        hints = list(length_hints) if length_hints is not None else [None] * len(prompts)
+        requests = [build_request(p, **params, seed=None if seed is None else seed + i,
+                                  length_hint=hint)
+                    for i, (p, hint) in enumerate(zip(prompts, hints))]
         out = []
-        for prompt, reply in zip(prompts, self._run(requests)):
+        for prompt, reply in zip(prompts, self.run_requests(requests)):
             head = list(prompt) if include_prompt else []
             # Beam search returns num_return_sequences hypotheses per row, best first:
             # consecutive outputs, as generate's [batch * num_return_sequences] rows.
@@ -147,7 +160,7 @@ class OfflineModel:
             out += [head + ids for ids in hypotheses or [[t.id for t in reply.tokens]]]
         return out
 
-    def _run(self, requests: Sequence) -> list:
+    def run_requests(self, requests: Sequence) -> list:
         """GenerateUnary for every request, at most max_in_flight outstanding; replies in
         request order. A failed row raises its gRPC error (the others are cancelled)."""
         call = self.client.stub.GenerateUnary

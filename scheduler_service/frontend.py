@@ -64,6 +64,10 @@ class GenerationRequest:
     n: int = 1
     # Lower is more urgent, as in vLLM (policies/priority.py); checked by check_priority.
     priority: Any = 0
+    # Policy length-batched: the client's expected output length (generate.proto 14).
+    length_hint: int | None = None
+    # Benchmarks and tests: end as by EOS after this many tokens (generate.proto 15).
+    eos_after_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,10 @@ class Frontend:
                     1 <= request.n <= MAX_CHOICES):
                 raise RequestError(f"n must be an integer in [1, {MAX_CHOICES}], got {request.n!r}")
             priority = check_priority(request.priority)
+            for name in ("length_hint", "eos_after_tokens"):
+                value = getattr(request, name)
+                if value is not None and value < 1:
+                    raise RequestError(f"{name} must be >= 1 when given, got {value}")
             # Refuse what cannot be queued before tokenizing it.
             state.workers.check_room(len(request.prompts) * request.n)
             rid = request.request_id or uuid.uuid4().hex
@@ -114,6 +122,8 @@ class Frontend:
                 first = await self._new_sequence(state, prompt, request,
                                                  rid if single else f"{rid}-{len(seqs)}")
                 first.priority = priority
+                first.length_hint = request.length_hint
+                first.eos_after_tokens = request.eos_after_tokens
                 seqs.append(first)
                 for choice in range(1, request.n):
                     seqs.append(self._another_choice(state, first, choice, f"{rid}-{len(seqs)}"))
@@ -203,7 +213,8 @@ class Frontend:
             prompt_ids=list(first.prompt_ids), params=first.params,
             detokenizer=IncrementalDetokenizer(state.tokenizer, first.prompt_ids),
             stops=StopMatcher(first.params.stop), sampling_seed=seed,
-            pin_tokens=first.pin_tokens, priority=first.priority)
+            pin_tokens=first.pin_tokens, priority=first.priority,
+            length_hint=first.length_hint, eos_after_tokens=first.eos_after_tokens)
 
     async def _prompt_ids(self, state: ServingState, prompt: Prompt, cached_prompt: str
                           ) -> tuple[list[int], int]:

@@ -50,7 +50,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                       else request.inputs)
             seqs = await self.frontend.submit(GenerationRequest(
                 [prompt], _params(request.parameters), request.cached_prompt,
-                request.request_id, priority=request.priority))
+                request.request_id, priority=request.priority,
+                length_hint=(request.length_hint if request.HasField("length_hint")
+                             else None),
+                eos_after_tokens=(request.eos_after_tokens
+                                  if request.HasField("eos_after_tokens") else None)))
         except Unavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except RequestError as exc:

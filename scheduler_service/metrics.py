@@ -14,6 +14,7 @@ _STEP = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 _SPARSITY = (0.0, 0.01, 0.025, 0.05, 0.1, 0.2, 0.33, 0.5, 0.6, 0.75, 0.9, 1.0)
 _SPLITS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 _BATCH = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 512)
+_LEARNED = (FinishReason.EOS, FinishReason.STOP, FinishReason.LENGTH)
 _PREFILL = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -99,6 +100,15 @@ class SchedulerMetrics:
         self.preemptions = Counter("seqserve_num_preemptions_total",
                                    "Running sequences preempted for more urgent ones (their KV "
                                    "dropped, recomputed at re-admission)", registry=r)
+        self.length_predictions = Counter(
+            "seqserve_length_predictions_total", "Finished requests (EOS, stop or length) "
+            "that had a predicted output length (length-aware, length-batched)", registry=r)
+        self.length_prediction_error = Counter(
+            "seqserve_length_prediction_error_tokens_total", "Sum of |predicted - real| "
+            "output tokens over those requests", registry=r)
+        self.length_predictions_within = Counter(
+            "seqserve_length_predictions_within_total", "Those whose prediction was within "
+            "`tokens` of the real length (the paper's Acc-50, Acc-100)", ["tokens"], registry=r)
         self.placed = Counter("seqserve_requests_placed_total",
                               "Requests placed on each worker (moves after a failure count "
                               "again)", ["worker"], registry=r)
@@ -124,6 +134,14 @@ class SchedulerMetrics:
 
     def observe_finish(self, seq: Sequence, reason: FinishReason, now: float) -> None:
         self.requests_finished.labels(reason.value).inc()
+        if seq.predicted_tokens is not None and reason in _LEARNED:
+            # The paper's measures of the length prediction: error, Acc-50, Acc-100.
+            err = abs(seq.predicted_tokens - seq.generated)
+            self.length_predictions.inc()
+            self.length_prediction_error.inc(err)
+            for within in (50, 100):
+                if err <= within:
+                    self.length_predictions_within.labels(str(within)).inc()
         if seq.first_token_time is not None:
             self.e2e.observe(now - seq.arrival_time)
 

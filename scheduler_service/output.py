@@ -28,6 +28,8 @@ def emit_token(seq: Sequence, tok: StepToken, eos_ids: frozenset[int]) -> Finish
         return FinishReason.STOP
     if tok.token_id in eos_ids and not seq.params.ignore_eos:
         return FinishReason.EOS
+    if seq.eos_after_tokens is not None and len(seq.output_ids) >= seq.eos_after_tokens:
+        return FinishReason.EOS
     if len(seq.output_ids) >= seq.params.max_new_tokens:
         return FinishReason.LENGTH
     return None

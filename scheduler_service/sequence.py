@@ -101,6 +101,10 @@ class Sequence:
     # reserved for (None: max_new_tokens).
     predicted_tokens: int | None = None
     reserve_new_tokens: int | None = None
+    # The client's expected output length (policy length-batched uses it as the
+    # prediction), and a benchmark's EOS position that no policy reads (generate.proto).
+    length_hint: int | None = None
+    eos_after_tokens: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None
     first_token_time: float | None = None

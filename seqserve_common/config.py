@@ -87,7 +87,7 @@ def _addresses(text: str) -> tuple[str, ...]:
     return items
 
 
-SCHEDULING_POLICIES = ("fcfs", "priority", "mlfq", "length-aware")
+SCHEDULING_POLICIES = ("fcfs", "priority", "mlfq", "length-aware", "length-batched")
 
 OPTIONS: tuple[Option, ...] = (
     Option("engine", str, "any engine name (kept for DJL compatibility)",
@@ -155,7 +155,8 @@ OPTIONS: tuple[Option, ...] = (
            help="which waiting request runs next: fcfs (arrival order), priority (the "
                 "request's priority, preempting less urgent work), mlfq (FastServe's "
                 "skip-join multi-level feedback queue), length-aware (shortest predicted "
-                "response first, KV reserved by prediction); docs/scheduling.md"),
+                "response first, KV reserved by prediction), length-batched (offline batch "
+                "jobs: groups of similar predicted length, VBS and FCR); docs/scheduling.md"),
     Option("priority_aging_steps", int, "an integer >= 1", lambda v: v >= 1,
            "priority and mlfq: a waiting request gains one level of urgency per this many "
            "Steps waited, so none starves"),
@@ -168,7 +169,7 @@ OPTIONS: tuple[Option, ...] = (
            "mlfq: prompt tokens whose prefill costs about one decoding Step (skip-join "
            "places a job by its prefill cost)"),
     Option("length_bucket_tokens", int, "an integer >= 1", lambda v: v >= 1,
-           "length-aware: width of the predicted-length buckets that admission orders and "
+           "length-aware, length-batched: width of the predicted-length buckets that admission orders and "
            "reserves KV by"),
     Option("max_queue", int, "an integer >= 0", lambda v: v >= 0,
            "waiting requests at most; past it requests get RESOURCE_EXHAUSTED"),

@@ -232,5 +232,5 @@ def test_unknown_policy_stops_start_up(tmp_path):
     props = tmp_path / "serving.properties"
     props.write_text("option.model_id=x\noption.scheduling_policy=sjf\n")
     with pytest.raises(ConfigError,
-                       match=r"option.scheduling_policy.*fcfs, priority, mlfq, length-aware"):
+                       match=r"option.scheduling_policy.*fcfs, priority, mlfq, length-aware, length-batched"):
         load_config(props, env={})

@@ -1,6 +1,7 @@
 """Scheduling policies behind the AdmissionPolicy seam (admission.py), chosen by
 `option.scheduling_policy`: fcfs (admission.FCFSAdmission), priority (priority.py), mlfq
-(mlfq.py), length-aware (length_aware.py, length_predictor.py). Each is pure planning logic, tested without gRPC."""
+(mlfq.py), length-aware (length_aware.py, length_predictor.py), length-batched
+(length_batched.py). Each is pure planning logic, tested without gRPC."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from collections.abc import Callable
 
 from scheduler_service.admission import AdmissionPolicy, FCFSAdmission
 from scheduler_service.policies.length_aware import LengthAwareAdmission
+from scheduler_service.policies.length_batched import LengthBatchedAdmission
 from scheduler_service.policies.length_predictor import LengthPredictor, PredictorConfig
 from scheduler_service.policies.mlfq import MLFQAdmission, MLFQConfig
 from scheduler_service.policies.priority import PriorityAdmission
 from seqserve_common.config import SCHEDULING_POLICIES, ServingConfig
 
-assert SCHEDULING_POLICIES == ("fcfs", "priority", "mlfq", "length-aware"), \
+assert SCHEDULING_POLICIES == ("fcfs", "priority", "mlfq", "length-aware", "length-batched"), \
     "keep make_policy in step"
 
 
@@ -38,9 +40,11 @@ def make_policy(cfg: ServingConfig, predictor: LengthPredictor | None = None
             levels=cfg.mlfq_levels, base_quantum=cfg.mlfq_quantum_steps,
             prefill_tokens_per_step=cfg.mlfq_prefill_tokens_per_step,
             aging_steps=cfg.priority_aging_steps))
-    if name == "length-aware":
+    if name in ("length-aware", "length-batched"):
         predictor = predictor or LengthPredictor(
             PredictorConfig(bucket_tokens=cfg.length_bucket_tokens))
+        if name == "length-batched":
+            return LengthBatchedAdmission(predictor)
         return LengthAwareAdmission(predictor, cfg.priority_aging_steps)
     raise ValueError(f"option.scheduling_policy {name!r} is unknown; choose one of "
                      f"{', '.join(SCHEDULING_POLICIES)}")

@@ -24,37 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aseqserve/v1/generate.proto\x12\x0bseqserve.v1\"\xcb\x01\n\x0fGenerateRequest\x12\x10\n\x06inputs\x18\x01 \x01(\tH\x00\x12*\n\tinput_ids\x18\x05 \x01(\x0b\x32\x15.seqserve.v1.TokenIdsH\x00\x12\x15\n\rcached_prompt\x18\x02 \x01(\t\x12\x33\n\nparameters\x18\x03 \x01(\x0b\x32\x1f.seqserve.v1.DecodingParameters\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xca\x05\n\x12\x44\x65\x63odingParameters\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x1e\n\x11\x64\x65\x63oding_strategy\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x16\n\tdo_sample\x18\x03 \x01(\x08H\x02\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x16\n\ttypical_p\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x17\n\nignore_eos\x18\x0b \x01(\x08H\t\x88\x01\x01\x12\x1a\n\rpenalty_alpha\x18\x0c \x01(\x01H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x0b\x88\x01\x01\x12\x16\n\tnum_beams\x18\x0e \x01(\x05H\x0c\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x0f \x01(\x01H\r\x88\x01\x01\x12\x1b\n\x0e\x65\x61rly_stopping\x18\x10 \x01(\tH\x0e\x88\x01\x01\x12!\n\x14num_return_sequences\x18\x11 \x01(\x05H\x0f\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x14\n\x12_decoding_strategyB\x0c\n\n_do_sampleB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x0c\n\n_typical_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x10\n\x0e_penalty_alphaB\x0b\n\t_logprobsB\x0c\n\n_num_beamsB\x11\n\x0f_length_penaltyB\x11\n\x0f_early_stoppingB\x17\n\x15_num_return_sequences\"t\n\x10ReturnedSequence\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05score\x18\x03 \x01(\x01\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.seqserve.v1.FinishReason\"7\n\nTopLogprob\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"d\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12-\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x17.seqserve.v1.TopLogprobB\n\n\x08_logprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x97\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05token\x18\x02 \x01(\x0b\x32\x12.seqserve.v1.Token\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.seqserve.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.seqserve.v1.Usage\x12\x30\n\tsequences\x18\n \x03(\x0b\x32\x1d.seqserve.v1.ReturnedSequence\x12\"\n\x06tokens\x18\x0b \x03(\x0b\x32\x12.seqserve.v1.Token\x12\x13\n\x0btoken_texts\x18\x0c \x03(\t\"\xe6\x01\n\rGenerateReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0egenerated_text\x18\x02 \x01(\t\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.seqserve.v1.FinishReason\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.seqserve.v1.Usage\x12\"\n\x06tokens\x18\x05 \x03(\x0b\x32\x12.seqserve.v1.Token\x12\x30\n\tsequences\x18\n \x03(\x0b\x32\x1d.seqserve.v1.ReturnedSequence\"\x12\n\x10ModelInfoRequest\"\xc3\x02\n\x11ModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x1c\n\x14max_new_tokens_limit\x18\x07 \x01(\r\x12\x19\n\x11\x64\x65\x63oding_strategy\x18\x08 \x01(\t\x12\x1e\n\x16max_rolling_batch_size\x18\t \x01(\r\x12\x14\n\x0cmax_sparsity\x18\n \x01(\x01\x12\x12\n\nmax_splits\x18\x0b \x01(\r\x12\x18\n\x10kv_budget_tokens\x18\x0c \x01(\x04\x12\x15\n\reos_token_ids\x18\r \x03(\r*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32\xee\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.seqserve.v1.GenerateRequest\x1a\x1d.seqserve.v1.GenerateResponse0\x01\x12I\n\rGenerateUnary\x12\x1c.seqserve.v1.GenerateRequest\x1a\x1a.seqserve.v1.GenerateReply\x12J\n\tModelInfo\x12\x1d.seqserve.v1.ModelInfoRequest\x1a\x1e.seqserve.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aseqserve/v1/generate.proto\x12\x0bseqserve.v1\"\xa9\x02\n\x0fGenerateRequest\x12\x10\n\x06inputs\x18\x01 \x01(\tH\x00\x12*\n\tinput_ids\x18\x05 \x01(\x0b\x32\x15.seqserve.v1.TokenIdsH\x00\x12\x15\n\rcached_prompt\x18\x02 \x01(\t\x12\x33\n\nparameters\x18\x03 \x01(\x0b\x32\x1f.seqserve.v1.DecodingParameters\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x18\n\x0blength_hint\x18\x0e \x01(\x05H\x01\x88\x01\x01\x12\x1d\n\x10\x65os_after_tokens\x18\x0f \x01(\x05H\x02\x88\x01\x01\x42\x08\n\x06promptB\x0e\n\x0c_length_hintB\x13\n\x11_eos_after_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xca\x05\n\x12\x44\x65\x63odingParameters\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x1e\n\x11\x64\x65\x63oding_strategy\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x16\n\tdo_sample\x18\x03 \x01(\x08H\x02\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x16\n\ttypical_p\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x17\n\nignore_eos\x18\x0b \x01(\x08H\t\x88\x01\x01\x12\x1a\n\rpenalty_alpha\x18\x0c \x01(\x01H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x0b\x88\x01\x01\x12\x16\n\tnum_beams\x18\x0e \x01(\x05H\x0c\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x0f \x01(\x01H\r\x88\x01\x01\x12\x1b\n\x0e\x65\x61rly_stopping\x18\x10 \x01(\tH\x0e\x88\x01\x01\x12!\n\x14num_return_sequences\x18\x11 \x01(\x05H\x0f\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x14\n\x12_decoding_strategyB\x0c\n\n_do_sampleB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x0c\n\n_typical_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x10\n\x0e_penalty_alphaB\x0b\n\t_logprobsB\x0c\n\n_num_beamsB\x11\n\x0f_length_penaltyB\x11\n\x0f_early_stoppingB\x17\n\x15_num_return_sequences\"t\n\x10ReturnedSequence\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05score\x18\x03 \x01(\x01\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.seqserve.v1.FinishReason\"7\n\nTopLogprob\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"d\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12-\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x17.seqserve.v1.TopLogprobB\n\n\x08_logprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x97\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05token\x18\x02 \x01(\x0b\x32\x12.seqserve.v1.Token\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.seqserve.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.seqserve.v1.Usage\x12\x30\n\tsequences\x18\n \x03(\x0b\x32\x1d.seqserve.v1.ReturnedSequence\x12\"\n\x06tokens\x18\x0b \x03(\x0b\x32\x12.seqserve.v1.Token\x12\x13\n\x0btoken_texts\x18\x0c \x03(\t\"\xe6\x01\n\rGenerateReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0egenerated_text\x18\x02 \x01(\t\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.seqserve.v1.FinishReason\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.seqserve.v1.Usage\x12\"\n\x06tokens\x18\x05 \x03(\x0b\x32\x12.seqserve.v1.Token\x12\x30\n\tsequences\x18\n \x03(\x0b\x32\x1d.seqserve.v1.ReturnedSequence\"\x12\n\x10ModelInfoRequest\"\xc3\x02\n\x11ModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x1c\n\x14max_new_tokens_limit\x18\x07 \x01(\r\x12\x19\n\x11\x64\x65\x63oding_strategy\x18\x08 \x01(\t\x12\x1e\n\x16max_rolling_batch_size\x18\t \x01(\r\x12\x14\n\x0cmax_sparsity\x18\n \x01(\x01\x12\x12\n\nmax_splits\x18\x0b \x01(\r\x12\x18\n\x10kv_budget_tokens\x18\x0c \x01(\x04\x12\x15\n\reos_token_ids\x18\r \x03(\r*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32\xee\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.seqserve.v1.GenerateRequest\x1a\x1d.seqserve.v1.GenerateResponse0\x01\x12I\n\rGenerateUnary\x12\x1c.seqserve.v1.GenerateRequest\x1a\x1a.seqserve.v1.GenerateReply\x12J\n\tModelInfo\x12\x1d.seqserve.v1.ModelInfoRequest\x1a\x1e.seqserve.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'seqserve.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2210
-  _globals['_FINISHREASON']._serialized_end=2328
+  _globals['_FINISHREASON']._serialized_start=2304
+  _globals['_FINISHREASON']._serialized_end=2422
   _globals['_GENERATEREQUEST']._serialized_start=44
-  _globals['_GENERATEREQUEST']._serialized_end=247
-  _globals['_TOKENIDS']._serialized_start=249
-  _globals['_TOKENIDS']._serialized_end=272
-  _globals['_DECODINGPARAMETERS']._serialized_start=275
-  _globals['_DECODINGPARAMETERS']._serialized_end=989
-  _globals['_RETURNEDSEQUENCE']._serialized_start=991
-  _globals['_RETURNEDSEQUENCE']._serialized_end=1107
-  _globals['_TOPLOGPROB']._serialized_start=1109
-  _globals['_TOPLOGPROB']._serialized_end=1164
-  _globals['_TOKEN']._serialized_start=1166
-  _globals['_TOKEN']._serialized_end=1266
-  _globals['_USAGE']._serialized_start=1268
-  _globals['_USAGE']._serialized_end=1347
-  _globals['_GENERATERESPONSE']._serialized_start=1350
-  _globals['_GENERATERESPONSE']._serialized_end=1629
-  _globals['_GENERATEREPLY']._serialized_start=1632
-  _globals['_GENERATEREPLY']._serialized_end=1862
-  _globals['_MODELINFOREQUEST']._serialized_start=1864
-  _globals['_MODELINFOREQUEST']._serialized_end=1882
-  _globals['_MODELINFORESPONSE']._serialized_start=1885
-  _globals['_MODELINFORESPONSE']._serialized_end=2208
-  _globals['_GENERATION']._serialized_start=2331
-  _globals['_GENERATION']._serialized_end=2569
+  _globals['_GENERATEREQUEST']._serialized_end=341
+  _globals['_TOKENIDS']._serialized_start=343
+  _globals['_TOKENIDS']._serialized_end=366
+  _globals['_DECODINGPARAMETERS']._serialized_start=369
+  _globals['_DECODINGPARAMETERS']._serialized_end=1083
+  _globals['_RETURNEDSEQUENCE']._serialized_start=1085
+  _globals['_RETURNEDSEQUENCE']._serialized_end=1201
+  _globals['_TOPLOGPROB']._serialized_start=1203
+  _globals['_TOPLOGPROB']._serialized_end=1258
+  _globals['_TOKEN']._serialized_start=1260
+  _globals['_TOKEN']._serialized_end=1360
+  _globals['_USAGE']._serialized_start=1362
+  _globals['_USAGE']._serialized_end=1441
+  _globals['_GENERATERESPONSE']._serialized_start=1444
+  _globals['_GENERATERESPONSE']._serialized_end=1723
+  _globals['_GENERATEREPLY']._serialized_start=1726
+  _globals['_GENERATEREPLY']._serialized_end=1956
+  _globals['_MODELINFOREQUEST']._serialized_start=1958
+  _globals['_MODELINFOREQUEST']._serialized_end=1976
+  _globals['_MODELINFORESPONSE']._serialized_start=1979
+  _globals['_MODELINFORESPONSE']._serialized_end=2302
+  _globals['_GENERATION']._serialized_start=2425
+  _globals['_GENERATION']._serialized_end=2663
 # @@protoc_insertion_point(module_scope)

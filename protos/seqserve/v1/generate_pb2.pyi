@@ -19,20 +19,24 @@ FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("inputs", "input_ids", "cached_prompt", "parameters", "request_id", "priority")
+    __slots__ = ("inputs", "input_ids", "cached_prompt", "parameters", "request_id", "priority", "length_hint", "eos_after_tokens")
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_HINT_FIELD_NUMBER: _ClassVar[int]
+    EOS_AFTER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     inputs: str
     input_ids: TokenIds
     cached_prompt: str
     parameters: DecodingParameters
     request_id: str
     priority: int
-    def __init__(self, inputs: _Optional[str] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., cached_prompt: _Optional[str] = ..., parameters: _Optional[_Union[DecodingParameters, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    length_hint: int
+    eos_after_tokens: int
+    def __init__(self, inputs: _Optional[str] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., cached_prompt: _Optional[str] = ..., parameters: _Optional[_Union[DecodingParameters, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., length_hint: _Optional[int] = ..., eos_after_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

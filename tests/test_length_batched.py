@@ -1,0 +1,117 @@
+"""Pure planning of policy length-batched (scheduler_service/policies/length_batched.py):
+groups of similar predicted length in order, VBS (batch size from the KV token budget and
+the group's limit) and FCR (stopped at the limit, collected, run last with room to
+finish). No gRPC, no model."""
+
+from __future__ import annotations
+
+from scheduler_service.admission import Budget, WaitingQueue
+from scheduler_service.params import DecodingConfig
+from scheduler_service.policies import make_policy
+from scheduler_service.policies.length_aware import GROW_MARGIN
+from scheduler_service.policies.length_batched import LengthBatchedAdmission, vbs_batch_size
+from scheduler_service.policies.length_predictor import LengthPredictor, PredictorConfig
+from scheduler_service.preemption import preempt
+from scheduler_service.sequence import Sequence, Status
+from seqserve_common.config import ServingConfig
+from seqserve_common.decoding import DecodingStrategy
+
+BUCKET = 50
+
+
+def seq(sid: int, hint: int | None, prompt_len: int = 10, max_new: int = 400) -> Sequence:
+    return Sequence(seq_id=sid, request_id=str(sid), prompt_ids=[sid] * prompt_len,
+                    params=DecodingConfig(max_new_tokens=max_new,
+                                          strategy=DecodingStrategy.GREEDY),
+                    detokenizer=None, stops=None, arrival_time=float(sid), length_hint=hint)
+
+
+def policy() -> LengthBatchedAdmission:
+    return LengthBatchedAdmission(LengthPredictor(PredictorConfig(bucket_tokens=BUCKET)))
+
+
+def queue(*seqs: Sequence) -> WaitingQueue:
+    q = WaitingQueue(1000)
+    for s in seqs:
+        q.push(s)
+    return q
+
+
+def ids(seqs) -> list[int]:
+    return [s.seq_id for s in seqs]
+
+
+def room(slots: int = 100, kv: int = 10**6) -> Budget:
+    return Budget(free_slots=slots, free_kv_tokens=kv)
+
+
+def test_groups_run_shortest_limit_first_arrival_order_within():
+    # Predicted 120, 30, 260, 45, 101 tokens: limits 150, 50, 300, 50, 150.
+    q = queue(seq(1, 120), seq(2, 30), seq(3, 260), seq(4, 45), seq(5, 101))
+    assert ids(policy().admit(q, room())) == [2, 4, 1, 5, 3]
+
+
+def test_vbs_reserves_the_group_limit_so_short_groups_run_larger_batches():
+    # The paper's rule: batch x length about constant under one token budget.
+    assert vbs_batch_size(50, 10, 6000, 1000) == 100
+    assert vbs_batch_size(290, 10, 6000, 1000) == 20
+    assert vbs_batch_size(300, 10, 6000, 1000) == 19
+    assert vbs_batch_size(50, 10, 6000, 64) == 64  # within max_rolling_batch_size
+    assert vbs_batch_size(5000, 10, 6000, 64) == 1
+    shorts = [seq(i, 40) for i in range(1, 200)]
+    admitted = policy().admit(queue(*shorts), room(kv=6000))
+    assert len(admitted) == vbs_batch_size(50, 10, 6000, 1000) == 100
+    assert all(s.reserved_tokens == 10 + 50 for s in admitted)
+    longs = [seq(i, 290) for i in range(1, 200)]
+    assert len(policy().admit(queue(*longs), room(kv=6000))) == 19  # limit 300
+
+
+def test_fcr_stops_a_sequence_at_its_limit_and_runs_it_after_every_group():
+    p = policy()
+    first, later, longer = seq(1, 40), seq(2, 40), seq(3, 140)
+    q = queue(first, later, longer)
+    assert ids(p.admit(q, room(slots=1))) == [1]
+    first.status = Status.RUNNING
+    first.output_ids = [7] * (BUCKET - GROW_MARGIN - 1)
+    running = {1: first}
+    victims, budget = preempt(p, q, running, room(slots=0, kv=0))
+    assert victims == [] and running == {1: first}  # still short of its limit
+    first.output_ids.append(7)
+    victims, budget = preempt(p, q, running, room(slots=0, kv=0))
+    assert victims == [first] and running == {} and p.failures == 1
+    assert first.status is Status.WAITING and first.reserve_new_tokens == 400
+    q.push_front(victims)
+    # The collected failure waits behind both groups still to run, and then reserves
+    # room for max_new_tokens: its grown reservation is taken off the budget it handed back.
+    assert ids(p.order(q)) == [2, 3, 1]
+    assert budget.free_kv_tokens == 10 + 400
+    # Only its old reservation (10 + 50) came back: just room for the next of its group.
+    assert ids(p.admit(q, budget)) == [2]
+    assert ids(p.admit(q, room())) == [3, 1]
+
+
+def test_fcr_failure_is_counted_once_and_never_stopped_again():
+    p = policy()
+    s = seq(1, 10, max_new=200)
+    p.admit(queue(s), room())
+    s.status = Status.RUNNING
+    s.output_ids = [7] * 45
+    assert p.preempt(queue(), [s], room()) == [s]
+    s.status = Status.RUNNING
+    s.output_ids = [7] * 190
+    assert p.preempt(queue(), [s], room()) == []
+    assert p.failures == 1
+
+
+def test_without_a_hint_the_shared_predictor_decides():
+    p = policy()
+    for _ in range(3):
+        p.predictor.learn(10, [], 120)
+    s = seq(1, None)
+    p.admit(queue(s), room())
+    assert s.predicted_tokens == 120 and s.reserve_new_tokens == 150
+
+
+def test_make_policy_by_name():
+    p = make_policy(ServingConfig(scheduling_policy="length-batched", length_bucket_tokens=20))
+    assert isinstance(p, LengthBatchedAdmission) and p.predictor.cfg.bucket_tokens == 20
