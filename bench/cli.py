@@ -6,8 +6,9 @@ import logging
 import sys
 from typing import Sequence
 
-from bench.commands import (all_figures, ceiling, matrix, partition, peers, policies,
-                            prefix, replicas, scheduler_cost, serve, sweep, throughput)
+from bench.commands import (all_figures, ceiling, matrix, offline_batch, partition, peers,
+                            policies, prefix, replicas, scheduler_cost, serve, sweep,
+                            throughput)
 from bench.commands.common import set_command_line
 from bench.parser import COMMANDS, build_parser
 
@@ -15,7 +16,7 @@ HANDLERS = {"throughput": throughput.run, "sweep": sweep.run, "partition": parti
             "prefix": prefix.run, "serve": serve.run, "peers": peers.run,
             "ceiling": ceiling.run, "matrix": matrix.run, "all": all_figures.run,
             "scheduler-cost": scheduler_cost.run, "replicas": replicas.run,
-            "policies": policies.run}
+            "policies": policies.run, "offline-batch": offline_batch.run}
 
 
 def main(argv: Sequence[str] | None, doc: str) -> int:

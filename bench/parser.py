@@ -17,7 +17,7 @@ from bench.peer_systems import PEERS
 from bench.workload import ARRIVALS, WORKLOADS
 
 COMMANDS = ("throughput", "sweep", "partition", "prefix", "serve", "peers", "ceiling", "matrix",
-            "all", "scheduler-cost", "replicas", "policies")
+            "all", "scheduler-cost", "replicas", "policies", "offline-batch")
 
 
 def _floats(text: str) -> list[float]:
@@ -248,6 +248,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                     help="WORKERSxTHREADS or tpDxTHREADS, comma-separated (1x2,2x1)")
     rp.add_argument("--repeats", type=int, default=1, help="runs of every config (1)")
     _policies_parser(sub, [_common(), _srv(), _slo(), _peers()])
+    _offline_batch_parser(sub, [_common(), _srv()])
     sub.add_parser("all", parents=[common, srv, hf, slo, prs, load, swp, prt, pfx],
                    help="every figure: peers, sweep, partition, prefix, Poisson sweep")
     return parser
@@ -282,3 +283,18 @@ def _policies_parser(sub, parents) -> None:
     pp.epilog = ("--model defaults to smollm2 (bfloat16, bench/matrix_models.py), "
                  f"--num-requests (for every trace where given) to {counts}; lengths are "
                  "scaled as the matrix's.")
+
+
+def _offline_batch_parser(sub, parents) -> None:
+    ob = sub.add_parser("offline-batch", parents=parents,
+                        help="one offline batch job: FCFS vs length-batched (VBS + FCR) vs "
+                             "the oracle (bench/commands/offline_batch.py)")
+    # Defaults of this command only (fresh parents): SmolLM2, 128 rows, max_new_tokens 256.
+    ob.set_defaults(model=Path("smollm2"), num_requests=128, max_output=256,
+                    max_rolling_batch_size=128)
+    ob.add_argument("--warmup-requests", type=int, default=64,
+                    help="other trace rows every server learns from first (64)")
+    ob.add_argument("--base-batch", type=int, default=16,
+                    help="KV budget: this many sequences of mean prompt + max_new_tokens (16)")
+    ob.add_argument("--bucket-tokens", type=int, default=50,
+                    help="predicted-length bucket, option.length_bucket_tokens (50)")

@@ -6,13 +6,14 @@ finish). No gRPC, no model."""
 from __future__ import annotations
 
 from scheduler_service.admission import Budget, WaitingQueue
+from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.params import DecodingConfig
 from scheduler_service.policies import make_policy
 from scheduler_service.policies.length_aware import GROW_MARGIN
 from scheduler_service.policies.length_batched import LengthBatchedAdmission, vbs_batch_size
 from scheduler_service.policies.length_predictor import LengthPredictor, PredictorConfig
 from scheduler_service.preemption import preempt
-from scheduler_service.sequence import Sequence, Status
+from scheduler_service.sequence import FinishReason, Sequence, Status
 from seqserve_common.config import ServingConfig
 from seqserve_common.decoding import DecodingStrategy
 
@@ -115,3 +116,24 @@ def test_without_a_hint_the_shared_predictor_decides():
 def test_make_policy_by_name():
     p = make_policy(ServingConfig(scheduling_policy="length-batched", length_bucket_tokens=20))
     assert isinstance(p, LengthBatchedAdmission) and p.predictor.cfg.bucket_tokens == 20
+
+
+def test_prediction_error_and_accuracy_metrics():
+    m = SchedulerMetrics()
+    for predicted, real in ((100, 30), (40, 60), (10, 300)):
+        s = seq(1, None)
+        s.predicted_tokens, s.output_ids = predicted, [7] * real
+        m.observe_finish(s, FinishReason.EOS, 0.0)
+    m.observe_finish(seq(2, None), FinishReason.EOS, 0.0)  # no prediction: not counted
+    got = {k: v for k, v in scrape_registry(m).items() if "length_prediction" in k}
+    assert got == {"seqserve_length_predictions_total": 3,
+                   "seqserve_length_prediction_error_tokens_total": 70 + 20 + 290,
+                   "seqserve_length_predictions_within_total{tokens=50}": 1,
+                   "seqserve_length_predictions_within_total{tokens=100}": 2}
+
+
+def scrape_registry(m: SchedulerMetrics) -> dict[str, float]:
+    return {(f"{s.name}{{{','.join(f'{k}={v}' for k, v in s.labels.items())}}}"
+             if s.labels else s.name): s.value
+            for family in m.registry.collect() for s in family.samples
+            if not s.name.endswith("_created")}
