@@ -5,6 +5,8 @@ finish). No gRPC, no model."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from scheduler_service.admission import Budget, WaitingQueue
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.params import DecodingConfig
@@ -86,8 +88,8 @@ def test_fcr_stops_a_sequence_at_its_limit_and_runs_it_after_every_group():
     # room for max_new_tokens: its grown reservation is taken off the budget it handed back.
     assert ids(p.order(q)) == [2, 3, 1]
     assert budget.free_kv_tokens == 10 + 400
-    # Only its old reservation (10 + 50) came back: just room for the next of its group.
-    assert ids(p.admit(q, budget)) == [2]
+    # Only its old reservation (10 + 50) came back: room for the next of its group only.
+    assert ids(p.admit(q, replace(budget, free_slots=10))) == [2]
     assert ids(p.admit(q, room())) == [3, 1]
 
 
@@ -98,10 +100,11 @@ def test_fcr_failure_is_counted_once_and_never_stopped_again():
     s.status = Status.RUNNING
     s.output_ids = [7] * 45
     assert p.preempt(queue(), [s], room()) == [s]
+    assert p.preempt(queue(), [s], room()) == []  # once stopped, never again
     s.status = Status.RUNNING
     s.output_ids = [7] * 190
     assert p.preempt(queue(), [s], room()) == []
-    assert p.failures == 1
+    assert p.failures == 1 and p._grown == (200 - 50)  # grown once, to max_new_tokens
 
 
 def test_without_a_hint_the_shared_predictor_decides():
@@ -120,14 +123,14 @@ def test_make_policy_by_name():
 
 def test_prediction_error_and_accuracy_metrics():
     m = SchedulerMetrics()
-    for predicted, real in ((100, 30), (40, 60), (10, 300)):
+    for predicted, real in ((100, 30), (40, 90), (10, 300)):  # errors 70, 50, 290
         s = seq(1, None)
         s.predicted_tokens, s.output_ids = predicted, [7] * real
         m.observe_finish(s, FinishReason.EOS, 0.0)
     m.observe_finish(seq(2, None), FinishReason.EOS, 0.0)  # no prediction: not counted
     got = {k: v for k, v in scrape_registry(m).items() if "length_prediction" in k}
     assert got == {"seqserve_length_predictions_total": 3,
-                   "seqserve_length_prediction_error_tokens_total": 70 + 20 + 290,
+                   "seqserve_length_prediction_error_tokens_total": 70 + 50 + 290,
                    "seqserve_length_predictions_within_total{tokens=50}": 1,
                    "seqserve_length_predictions_within_total{tokens=100}": 2}
 

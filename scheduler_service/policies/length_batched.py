@@ -47,7 +47,7 @@ def vbs_batch_size(limit: int, prompt_tokens: int, kv_tokens: int, max_batch: in
 class LengthBatchedAdmission(LengthAwareAdmission):
     def __init__(self, predictor: LengthPredictor):
         super().__init__(predictor, aging_steps=1 << 62)
-        self.failed: set[int] = set()  # seq ids stopped by FCR (counted once each)
+        self.failed: set[int] = set()  # seq ids stopped by FCR, until they finish
         self.failures = 0
 
     def _predict(self, seq: Sequence) -> None:
@@ -72,9 +72,8 @@ class LengthBatchedAdmission(LengthAwareAdmission):
             grown = seq.params.max_new_tokens - seq.reserve_new_tokens
             self._grown += grown * seq.rows  # the loop hands back the old reservation only
             seq.reserve_new_tokens = seq.params.max_new_tokens
-            if seq.seq_id not in self.failed:
-                self.failed.add(seq.seq_id)
-                self.failures += 1
+            self.failed.add(seq.seq_id)  # once: it now reserves max_new_tokens
+            self.failures += 1
         return victims
 
     def _learn(self) -> None:
