@@ -3,7 +3,7 @@ sequence scheduling (option.scheduling_policy=length-batched: groups of similar 
 length, VBS and FCR) with the server's learned length predictor, and under the same policy
 given every row's true length (the oracle, the paper's upper bound).
 
-    python -m bench offline-batch --workload azure-conv --num-requests 192
+    python -m bench offline-batch --workload azure-conv --num-requests 128
 
 The job is N rows of a trace, all submitted at once. Each row runs greedy with one
 max_new_tokens for the whole job (--max-output) and ends where the trace's response ends:
@@ -48,9 +48,10 @@ logger = logging.getLogger("seqserve.bench")
 
 RUNS = (("fcfs", "fcfs", False), ("length-batched", "length-batched", False),
         ("oracle", "length-batched", True))
-# SmolLM2 bf16 on this 2-core machine, from small runs: for the duration estimate only.
-EST_OUTPUT_TOKENS_S = 60.0
-EST_PROMPT_TOKENS_S = 1500.0
+# SmolLM2 bf16 on this 2-core machine when quiet (docs/benchmarks.md: 273 output tokens/s
+# with 64 requests at once; fewer run at once under FCFS here): the duration estimate only.
+EST_OUTPUT_TOKENS_S = 150.0
+EST_PROMPT_TOKENS_S = 2000.0
 EST_START_S = 25.0
 _PRED = "seqserve_length_predictions_total"
 _ERR = "seqserve_length_prediction_error_tokens_total"
