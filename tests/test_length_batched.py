@@ -11,7 +11,6 @@ from scheduler_service.admission import Budget, WaitingQueue
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.params import DecodingConfig
 from scheduler_service.policies import make_policy
-from scheduler_service.policies.length_aware import GROW_MARGIN
 from scheduler_service.policies.length_batched import LengthBatchedAdmission, vbs_batch_size
 from scheduler_service.policies.length_predictor import LengthPredictor, PredictorConfig
 from scheduler_service.preemption import preempt
@@ -75,7 +74,8 @@ def test_fcr_stops_a_sequence_at_its_limit_and_runs_it_after_every_group():
     q = queue(first, later, longer)
     assert ids(p.admit(q, room(slots=1))) == [1]
     first.status = Status.RUNNING
-    first.output_ids = [7] * (BUCKET - GROW_MARGIN - 1)
+    first.output_ids = [7] * (BUCKET - 2)
+    first.in_flight = 1
     running = {1: first}
     victims, budget = preempt(p, q, running, room(slots=0, kv=0))
     assert victims == [] and running == {1: first}  # still short of its limit
@@ -98,7 +98,9 @@ def test_fcr_failure_is_counted_once_and_never_stopped_again():
     s = seq(1, 10, max_new=200)
     p.admit(queue(s), room())
     s.status = Status.RUNNING
-    s.output_ids = [7] * 45
+    s.output_ids = [7] * 49
+    assert p.preempt(queue(), [s], room()) == []
+    s.output_ids.append(7)
     assert p.preempt(queue(), [s], room()) == [s]
     assert p.preempt(queue(), [s], room()) == []  # once stopped, never again
     s.status = Status.RUNNING

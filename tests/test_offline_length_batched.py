@@ -26,8 +26,8 @@ PREEMPTIONS = "seqserve_num_preemptions_total"
 @pytest.mark.slow
 def test_fcr_failure_is_recomputed_token_identical(llama_dir, deploy):
     # Buckets of 8 tokens: the row hinted 2 tokens has a limit of 8 and is stopped by FCR
-    # before it (8 less the margin for tokens in flight), then runs again after the rest
-    # with room for MAX_NEW; the rows hinted MAX_NEW are never stopped.
+    # there, then runs again after the rest with room for MAX_NEW (so does the row hinted
+    # 10, at 16); the rows hinted MAX_NEW are never stopped.
     d = deploy(llama_dir, scheduling_policy="length-batched", length_bucket_tokens=8,
                max_rolling_batch_size=2)
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)

@@ -20,8 +20,8 @@ max_new_tokens, what FCFS reserves), so a group of limit L runs about
 budget / (prompt + L) requests at once, within max_rolling_batch_size: `vbs_batch_size`.
 
 FCR (Sec. 4, "Failure Collection and Recomputation"). A sequence that reaches its group's
-limit (less GROW_MARGIN, the tokens that may still be in flight) without ending is stopped
-there by preemption by recompute, collected, and waits behind every request that has not
+limit (its tokens and those in flight) without ending is stopped there by preemption by
+recompute, collected, and waits behind every request that has not
 failed, with its reservation grown to max_new_tokens; the failures then run as a group of
 their own. The paper regenerates a failure from the start; here its re-admission prefills
 the prompt and the tokens it already produced (preemption.py), which keeps the output
@@ -31,7 +31,7 @@ token-identical and saves the tokens already paid for.
 from __future__ import annotations
 
 from scheduler_service.admission import Budget, WaitingQueue
-from scheduler_service.policies.length_aware import GROW_MARGIN, LengthAwareAdmission
+from scheduler_service.policies.length_aware import LengthAwareAdmission
 from scheduler_service.policies.length_predictor import LengthPredictor
 from scheduler_service.sequence import Sequence
 
@@ -75,6 +75,14 @@ class LengthBatchedAdmission(LengthAwareAdmission):
             self.failed.add(seq.seq_id)  # once: it now reserves max_new_tokens
             self.failures += 1
         return victims
+
+    def _outgrows(self, seq: Sequence) -> bool:
+        """At its group's limit: the next Step would take it past. The loop offers only
+        sequences that need another Step, and a token in flight when it is stopped is
+        dropped and drawn again, so it never holds more than the limit."""
+        limit = seq.reserve_new_tokens
+        return (limit is not None and limit < seq.params.max_new_tokens
+                and seq.generated + seq.in_flight >= limit)
 
     def _learn(self) -> None:
         super()._learn()
