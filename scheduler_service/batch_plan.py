@@ -25,6 +25,9 @@ class StepPlan:
     # wholly prefilled after it.
     no_token: frozenset[int] = frozenset()
     partial_chunks: int = 0  # chunks that leave part of their prompt for later steps
+    # (id, tokens generated, exact) of sequences that ended since the last Step: the
+    # labels of the worker's length probe (exact: by EOS or stop; else a lower bound).
+    finished: list[tuple[int, int, bool]] = field(default_factory=list)
 
     @property
     def prefill_tokens(self) -> int:

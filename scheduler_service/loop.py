@@ -65,6 +65,7 @@ class IterationLoop:
         self.waiting = WaitingQueue(max_queue)
         self.running: dict[int, Sequence] = {}
         self.to_release: list[int] = []
+        self._finished: list[tuple[int, int, bool]] = []  # for the next Step (StepPlan)
         self.policy = policy or FCFSAdmission()
         self.planner = BatchPlanner(max_sparsity, max_splits)
         self.step_id = 0
@@ -248,6 +249,7 @@ class IterationLoop:
                 s.released = True
                 release.append(s.seq_id)
         plan = self.planner.plan(advancing, admitted, release, chunks)
+        plan.finished, self._finished = self._finished, []
         for s in admitted:
             self.running[s.seq_id] = s
             s.admitted_step = self.step_id + 1  # the Step _send numbers next
@@ -303,6 +305,8 @@ class IterationLoop:
         if seq.first_token_time is None:
             seq.first_token_time = now
             seq.cached_tokens = tok.cached_tokens
+        if tok.predicted_tokens is not None:
+            seq.hidden_predicted_tokens = tok.predicted_tokens
         seq.last_token_time = now
         if self._step_failures:
             self._step_failures.pop(seq.seq_id, None)
@@ -324,6 +328,10 @@ class IterationLoop:
         self._step_failures.pop(seq.seq_id, None)
         if was_running and not seq.released:
             self.to_release.append(seq.seq_id)
+        if was_running and seq.first_token_time is not None and reason != FinishReason.ERROR:
+            # The worker's length probe learns from it (a cut or cancelled one is a bound).
+            self._finished.append((seq.seq_id, seq.generated,
+                                   reason in (FinishReason.EOS, FinishReason.STOP)))
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         self.metrics.observe_finish(seq, reason, time.monotonic())

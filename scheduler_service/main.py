@@ -25,12 +25,8 @@ from scheduler_service.worker_client import WorkerClient
 from scheduler_service.worker_pool import WorkerPool
 from seqserve_common import control_auth, tls
 from seqserve_common import health as health_names
-from seqserve_common.config import (
-    ConfigError,
-    ServingConfig,
-    process_arguments,
-    write_port_file,
-)
+from seqserve_common.command_line import process_arguments, write_port_file
+from seqserve_common.config import ConfigError, ServingConfig
 from seqserve_common.decoding import DecodingStrategy
 
 logger = logging.getLogger("seqserve.scheduler")

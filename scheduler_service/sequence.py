@@ -105,6 +105,8 @@ class Sequence:
     # prediction), and a benchmark's EOS position that no policy reads (generate.proto).
     length_hint: int | None = None
     eos_after_tokens: int | None = None
+    # The worker's prediction from the prompt's hidden state, with the first token.
+    hidden_predicted_tokens: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -57,6 +57,8 @@ class StepToken:
     # best hypotheses as (token ids, score), best first.
     beam_running: bool = False
     beams: tuple[tuple[tuple[int, ...], float], ...] = ()
+    # The worker's length probe's predicted output tokens (first token only; None: none).
+    predicted_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -77,8 +79,11 @@ class StepAnswer:
                             t.logprob if t.HasField("logprob") else None,
                             tuple((a.id, a.logprob) for a in t.top_logprobs),
                             t.beam_running,
-                            tuple((tuple(b.token_ids), b.score) for b in t.beams))
+                            tuple((tuple(b.token_ids), b.score) for b in t.beams),
+                            t.predicted_output_tokens
+                            if t.HasField("predicted_output_tokens") else None)
                   if t.top_logprobs or t.beams or t.HasField("logprob")
+                  or t.HasField("predicted_output_tokens")
                   # the common token, built without the empty tuples' generators: this
                   # runs for every token of every Step
                   else StepToken(t.sequence_id, t.token_id, t.cached_tokens, None, (),
@@ -110,7 +115,9 @@ def encode_step(step_id: int, plan: StepPlan) -> worker_pb2.StepRequest:
         step_id=step_id, release=plan.release, prefill=prefill,
         groups=[worker_pb2.Group(sequence_ids=g) for g in plan.groups],
         chunks=[worker_pb2.PrefillChunk(sequence_id=sid, end=c.end)
-                for sid, c in plan.chunks.items() if sid not in new])
+                for sid, c in plan.chunks.items() if sid not in new],
+        finished=[worker_pb2.FinishedSequence(sequence_id=sid, generated_tokens=n, exact=exact)
+                  for sid, n, exact in plan.finished])
 
 
 _EARLY_STOPPING = {False: worker_pb2.EARLY_STOPPING_FALSE, True: worker_pb2.EARLY_STOPPING_TRUE,

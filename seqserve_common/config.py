@@ -10,8 +10,6 @@ is allowed.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import math
 import os
@@ -88,6 +86,7 @@ def _addresses(text: str) -> tuple[str, ...]:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "mlfq", "length-aware", "length-batched")
+LENGTH_PREDICTORS = ("both", "prompt", "hidden")
 
 OPTIONS: tuple[Option, ...] = (
     Option("engine", str, "any engine name (kept for DJL compatibility)",
@@ -171,6 +170,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("length_bucket_tokens", int, "an integer >= 1", lambda v: v >= 1,
            "length-aware, length-batched: width of the predicted-length buckets that admission orders and "
            "reserves KV by"),
+    Option("length_predictor", _choice(*LENGTH_PREDICTORS), ", ".join(LENGTH_PREDICTORS),
+           help="length-aware: both (the prompt-id predictor orders admission and sets the "
+                "first reservation, the worker's hidden-state prediction, with the first "
+                "token, then replaces it), prompt (prompt ids only), hidden (the worker's "
+                "only: arrival order and max_new_tokens until it comes); docs/scheduling.md"),
+    Option("length_probe_min_samples", int, "an integer >= 1", lambda v: v >= 1,
+           "worker: sequences that ended by EOS or stop its length probe learns from before "
+           "it predicts (worker_service/length_probe.py)"),
     Option("max_queue", int, "an integer >= 0", lambda v: v >= 0,
            "waiting requests at most; past it requests get RESOURCE_EXHAUSTED"),
     Option("max_new_tokens_limit", int, "an integer >= 1", lambda v: v >= 1,
@@ -257,6 +264,8 @@ class ServingConfig:
     mlfq_quantum_steps: int = 8
     mlfq_prefill_tokens_per_step: int = 128
     length_bucket_tokens: int = 50
+    length_predictor: str = "both"
+    length_probe_min_samples: int = 32
     max_queue: int = 1024
     max_new_tokens_limit: int = 4096
     default_max_new_tokens: int = 64
@@ -350,51 +359,3 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
         if raw is not None:
             values[key] = _convert(key, str(raw), f"flag --{key.replace('_', '-')}")
     return ServingConfig(**values)
-
-
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """--properties FILE and one flag per option (e.g. --max-sparsity)."""
-    parser.add_argument("--properties", metavar="FILE",
-                        help="serving.properties file (default: $SERVING_PROPERTIES if set)")
-    group = parser.add_argument_group("options (override the file and OPTION_* variables)")
-    for opt in OPTIONS:
-        names = [k for k, o in _BY_KEY.items() if o is opt]  # its current and old names
-        group.add_argument(*(f"--{k.replace('_', '-')}" for k in names), dest=f"opt_{opt.key}",
-                           metavar="V",
-                           help=f"{opt.help} [{opt.allowed}; default {opt.default}]")
-
-
-def config_from_args(args: argparse.Namespace) -> ServingConfig:
-    overrides = {o.key: getattr(args, f"opt_{o.key}") for o in OPTIONS}
-    path = args.properties or os.environ.get("SERVING_PROPERTIES") or None
-    return load_config(path, overrides=overrides)
-
-
-def process_arguments(prog: str, description: str | None, argv: list[str] | None
-                      ) -> tuple[argparse.ArgumentParser, argparse.Namespace, ServingConfig]:
-    """The command line both processes share: options, --port-file, --log-level; sets up
-    logging and requires option.model_id. Exits with a usage error naming a bad option."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    add_config_arguments(parser)
-    parser.add_argument("--port-file", help="write the bound ports as JSON to this file")
-    parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = config_from_args(args)
-        if not cfg.model_id:
-            raise ConfigError("option.model_id is not set; pass --model-id DIR or set it in "
-                              "serving.properties")
-    except ConfigError as exc:
-        parser.error(str(exc))
-    return parser, args, cfg
-
-
-def write_port_file(path: str | None, ports: dict) -> None:
-    """Tell a parent process (tests, make run, benchmarks) the ports actually bound."""
-    if not path:
-        return
-    tmp = Path(path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(ports))
-    os.replace(tmp, path)

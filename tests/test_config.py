@@ -9,13 +9,8 @@ import sys
 
 import pytest
 
-from seqserve_common.config import (
-    ConfigError,
-    add_config_arguments,
-    config_from_args,
-    load_config,
-    parse_properties,
-)
+from seqserve_common.command_line import add_config_arguments, config_from_args
+from seqserve_common.config import ConfigError, load_config, parse_properties
 
 SEED_EXAMPLE = """\
 # serving.properties

@@ -16,6 +16,7 @@ from worker_service import sampling
 from worker_service.beam import BeamSearches
 from worker_service.contrastive import CandidateTree, ContrastiveSearch
 from worker_service.kv_groups import KVGroup
+from worker_service.length_probe import LengthProbe
 from worker_service.model_runner import ModelRunner
 from worker_service.packed_batch import DecodeSegment, PackedBatch
 from worker_service.prefix_cache import PrefixCache
@@ -52,9 +53,11 @@ class StepForward:
 class Engine:
     """The worker's sequences and group caches."""
 
-    def __init__(self, runner: ModelRunner, prefix_cache: PrefixCache | None = None):
+    def __init__(self, runner: ModelRunner, prefix_cache: PrefixCache | None = None,
+                 length_probe: LengthProbe | None = None):
         self.runner = runner
         self.prefix_cache = prefix_cache
+        self.length_probe = length_probe
         self.device = runner.device
         self.sequences: dict[int, SequenceState] = {}
         self.groups: list[KVGroup] = []
@@ -68,6 +71,8 @@ class Engine:
         """Drop every sequence and the prefix cache (a scheduler (re)connects)."""
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
+        if self.length_probe is not None:
+            self.length_probe.forget()
         self.drop_sequences()
 
     def drop_sequences(self) -> None:
@@ -125,11 +130,16 @@ class Engine:
     # --- the step --------------------------------------------------------------------
 
     def step(self, release: list[int], prefill: list[PrefillSpec],
-             plan: list[list[int]], chunks: dict[int, int] | None = None) -> StepResult:
+             plan: list[list[int]], chunks: dict[int, int] | None = None,
+             finished: list[tuple[int, int, bool]] | None = None) -> StepResult:
         """`chunks`: sequence id -> prefill through token_ids[:end], for sequences created
-        partly prefilled (PrefillSpec.prefill_end) in an earlier step."""
+        partly prefilled (PrefillSpec.prefill_end) in an earlier step. `finished`: (id,
+        tokens generated, exact) of sequences that ended, for the length probe."""
         t0 = time.perf_counter()
         result = StepResult()
+        probe = self.length_probe
+        for f in (finished or ()) if probe is not None else ():
+            probe.finished(*f)
         for g in self.groups:
             g.copied_bytes = 0
         for sid in self.beams.expand_release(release):
@@ -159,6 +169,8 @@ class Engine:
         groups, old_counts, dropped_bytes = self._regroup(plan, new_ids)
         result.regroup_seconds = time.perf_counter() - t0
         self._run(groups, old_counts, result)
+        if probe is not None:
+            probe.train(1)  # after the step's tokens: at most one small minibatch a step
         result.kv_slots, result.kv_tokens = self.kv_usage()
         result.regroup_bytes = self._copied() + dropped_bytes
         result.sequences = len(self.sequences)
@@ -281,6 +293,8 @@ class Engine:
         if fwd.sampled:
             logits = self.runner.logits(hidden[[s.token_index for s in fwd.sampled]])
         result.forward_seconds += time.perf_counter() - t
+        predicted = ({} if self.length_probe is None else
+                     self.length_probe.observe_prefills(fwd.prefills, hidden))
         for seg in fwd.decodes:
             seg.group.advance(seg.row_start, seg.row_end)
         t = time.perf_counter()
@@ -300,6 +314,8 @@ class Engine:
         self.contrastive.first_tokens([p for p in fwd.prefills if p.seq.contrastive], hidden,
                                       result)
         self.beams.advance(result)
+        for token in result.tokens if predicted else ():
+            token.predicted_tokens = predicted.get(token.seq_id)
 
     def _pack(self, groups: list[KVGroup], result: StepResult) -> StepForward:
         """Lay out the step's tokens: per group, runs of greedy and sampled decoding rows

@@ -15,7 +15,8 @@ from prometheus_client import start_http_server
 from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from seqserve_common import health as health_names
-from seqserve_common.config import ConfigError, process_arguments, write_port_file
+from seqserve_common.command_line import process_arguments, write_port_file
+from seqserve_common.config import ConfigError
 from seqserve_common.control_auth import ControlTokenInterceptor, control_token
 from seqserve_common.control_channel import GRPC_MESSAGE_OPTIONS
 from seqserve_common.tls import worker_tls
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker_service.engine import Engine
     from worker_service.host_memory import keep_freed_memory
     from worker_service.metrics import WorkerMetrics
+    from worker_service.length_probe import LengthProbe, ProbeConfig
     from worker_service.model_runner import ModelRunner
     from worker_service.prefix_cache import PrefixCache
     from worker_service.servicer import WorkerServicer
@@ -180,7 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     prefix_cache = PrefixCache(runner.kv_shape, cfg.prompt_cache_bytes,
                                cfg.prompt_cache_block_tokens)
-    engine = Engine(runner, prefix_cache)
+    # The length probe reads the leader's hidden states (identical on every rank).
+    probe = LengthProbe(runner.lm_head.weight.shape[-1],
+                        ProbeConfig(min_samples=cfg.length_probe_min_samples))
+    engine = Engine(runner, prefix_cache, probe)
     if degree > 1:
         # Every call that changes the engine or runs the model reaches every rank.
         engine = LeaderEngine(engine)

@@ -53,6 +53,8 @@ def prefill_from_proto(ns: worker_pb2.NewSequence) -> PrefillSpec:
 def token_to_proto(t: GeneratedToken) -> worker_pb2.SequenceToken:
     msg = worker_pb2.SequenceToken(sequence_id=t.seq_id, token_id=t.token_id,
                                    cached_tokens=t.cached_tokens)
+    if t.predicted_tokens is not None:
+        msg.predicted_output_tokens = t.predicted_tokens
     if t.beam_running:
         msg.beam_running = True
     for tokens, score in t.beams or ():
@@ -183,7 +185,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             failed: Future = Future()
             failed.set_exception(StepError("a sequence has two prefill chunks in one Step"))
             return failed
-        return self._compute.submit(engine.step, list(request.release), prefill, plan, chunks)
+        finished = [(f.sequence_id, f.generated_tokens, f.exact) for f in request.finished]
+        return self._compute.submit(engine.step, list(request.release), prefill, plan, chunks,
+                                    finished)
 
     def _response(self, request, result: StepResult) -> worker_pb2.StepResponse:
         if self.metrics is not None:

@@ -41,6 +41,8 @@ class GeneratedToken:
     # ids, score), best first.
     beam_running: bool = False
     beams: list[tuple[list[int], float]] | None = None
+    # The length probe's predicted output tokens (length_probe.py), on the first token.
+    predicted_tokens: int | None = None
 
 
 @dataclass

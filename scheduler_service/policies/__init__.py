@@ -13,7 +13,7 @@ from scheduler_service.policies.length_batched import LengthBatchedAdmission
 from scheduler_service.policies.length_predictor import LengthPredictor, PredictorConfig
 from scheduler_service.policies.mlfq import MLFQAdmission, MLFQConfig
 from scheduler_service.policies.priority import PriorityAdmission
-from seqserve_common.config import SCHEDULING_POLICIES, ServingConfig
+from seqserve_common.config import LENGTH_PREDICTORS, SCHEDULING_POLICIES, ServingConfig
 
 assert SCHEDULING_POLICIES == ("fcfs", "priority", "mlfq", "length-aware", "length-batched"), \
     "keep make_policy in step"
@@ -45,6 +45,11 @@ def make_policy(cfg: ServingConfig, predictor: LengthPredictor | None = None
             PredictorConfig(bucket_tokens=cfg.length_bucket_tokens))
         if name == "length-batched":
             return LengthBatchedAdmission(predictor)
-        return LengthAwareAdmission(predictor, cfg.priority_aging_steps)
+        use = cfg.length_predictor
+        if use not in LENGTH_PREDICTORS:
+            raise ValueError(f"option.length_predictor {use!r} is unknown; choose one of "
+                             f"{', '.join(LENGTH_PREDICTORS)}")
+        return LengthAwareAdmission(predictor, cfg.priority_aging_steps,
+                                    use_prompt=use != "hidden", use_hidden=use != "prompt")
     raise ValueError(f"option.scheduling_policy {name!r} is unknown; choose one of "
                      f"{', '.join(SCHEDULING_POLICIES)}")

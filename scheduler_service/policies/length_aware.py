@@ -13,6 +13,16 @@ one bucket (capped at max_new_tokens) if the budget has room; where it has none,
 latest arrived of the outgrowing sequences are preempted (recompute, as in ranked.py)
 until the earlier ones fit, and wait with their grown reservation. The margin covers the
 tokens that may be in flight (steps_in_flight) before the next plan.
+
+Two predictors (`length_predictor`): before prefill only the prompt's ids exist, so
+admission order and the first reservation come from the scheduler's prompt-id predictor
+(length_predictor.py); the worker's probe on the prompt's last hidden state
+(worker_service/length_probe.py) answers with the first token, and its prediction then
+replaces the prompt-id one for the rest of the sequence's life: its reservation shrinks or
+grows to it (growth only where the budget has room; otherwise the outgrow rule above
+handles it), and a preempted sequence waits ranked by it. `prompt` ignores the worker's
+prediction; `hidden` orders admission by arrival (and aging) and reserves max_new_tokens
+until the worker's prediction arrives.
 """
 
 from __future__ import annotations
@@ -29,9 +39,12 @@ _LEARN_FROM = (FinishReason.EOS, FinishReason.STOP, FinishReason.LENGTH)
 
 
 class LengthAwareAdmission(RankedAdmission):
-    def __init__(self, predictor: LengthPredictor, aging_steps: int):
+    def __init__(self, predictor: LengthPredictor, aging_steps: int,
+                 use_prompt: bool = True, use_hidden: bool = True):
         self.predictor = predictor
         self.aging_steps = aging_steps
+        self.use_prompt = use_prompt
+        self.use_hidden = use_hidden
         self._tracked: dict[int, Sequence] = {}  # admitted, not yet learned from
         self._grown = 0  # KV tokens reservations grew by in this iteration's preempt
         super().__init__(self._rank, preemptive=False)
@@ -39,9 +52,12 @@ class LengthAwareAdmission(RankedAdmission):
     def _predict(self, seq: Sequence) -> None:
         if seq.predicted_tokens is not None:
             return
-        keys = prefix_keys(seq.prompt_ids, self.predictor.cfg.block_tokens)
-        seq.predicted_tokens = self.predictor.predict(len(seq.prompt_ids), keys,
-                                                      seq.params.max_new_tokens)
+        if self.use_prompt:
+            keys = prefix_keys(seq.prompt_ids, self.predictor.cfg.block_tokens)
+            seq.predicted_tokens = self.predictor.predict(len(seq.prompt_ids), keys,
+                                                          seq.params.max_new_tokens)
+        else:
+            seq.predicted_tokens = seq.params.max_new_tokens
         seq.reserve_new_tokens = min(seq.params.max_new_tokens,
                                      self.predictor.bucket(seq.predicted_tokens))
 
@@ -77,9 +93,11 @@ class LengthAwareAdmission(RankedAdmission):
         first; where the budget has no room, preempt the latest arrived of them, whose
         reservations then make room for the earlier ones. A victim waits with its grown
         reservation. (Called by the loop every iteration before `admit`.)"""
+        free = budget.free_kv_tokens
+        if self.use_hidden:
+            free -= self._take_hidden(running, free)
         outgrown = sorted((s for s in running if self._outgrows(s)),
                           key=lambda s: (s.arrival_time, s.seq_id))
-        free = budget.free_kv_tokens
         kept: list[Sequence] = []
         victims: list[Sequence] = []
         while outgrown:
@@ -101,6 +119,29 @@ class LengthAwareAdmission(RankedAdmission):
             self._grown += extra
             seq.reserve_new_tokens += extra // seq.rows
         return victims
+
+    def _take_hidden(self, running: list[Sequence], free: int) -> int:
+        """Replace the prompt-id prediction of sequences whose worker prediction came and
+        reserve by it (shrink, or grow where `free` has room). Returns the KV tokens the
+        reservations grew by (negative: shrank)."""
+        change = 0
+        for seq in running:
+            hidden, limit = seq.hidden_predicted_tokens, seq.reserve_new_tokens
+            if hidden is None or limit is None:
+                continue
+            hidden = max(1, min(hidden, seq.params.max_new_tokens))
+            if seq.predicted_tokens == hidden:
+                continue  # taken already
+            # Never below what it holds and may have in flight before the next plan.
+            floor = seq.generated + seq.in_flight + GROW_MARGIN + 1
+            new = min(seq.params.max_new_tokens, self.predictor.bucket(max(hidden, floor)))
+            extra = (new - limit) * seq.rows
+            if extra > free - change:
+                continue  # no room to grow now; it grows bucket by bucket as it runs
+            seq.predicted_tokens, seq.reserve_new_tokens = hidden, new
+            change += extra
+        self._grown += change
+        return change
 
     def _outgrows(self, seq: Sequence) -> bool:
         limit = seq.reserve_new_tokens

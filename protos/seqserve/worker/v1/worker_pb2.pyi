@@ -119,18 +119,30 @@ class Group(_message.Message):
     def __init__(self, sequence_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "release", "prefill", "groups", "chunks")
+    __slots__ = ("step_id", "release", "prefill", "groups", "chunks", "finished")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     release: _containers.RepeatedScalarFieldContainer[int]
     prefill: _containers.RepeatedCompositeFieldContainer[NewSequence]
     groups: _containers.RepeatedCompositeFieldContainer[Group]
     chunks: _containers.RepeatedCompositeFieldContainer[PrefillChunk]
-    def __init__(self, step_id: _Optional[int] = ..., release: _Optional[_Iterable[int]] = ..., prefill: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ...) -> None: ...
+    finished: _containers.RepeatedCompositeFieldContainer[FinishedSequence]
+    def __init__(self, step_id: _Optional[int] = ..., release: _Optional[_Iterable[int]] = ..., prefill: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., finished: _Optional[_Iterable[_Union[FinishedSequence, _Mapping]]] = ...) -> None: ...
+
+class FinishedSequence(_message.Message):
+    __slots__ = ("sequence_id", "generated_tokens", "exact")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
+    generated_tokens: int
+    exact: bool
+    def __init__(self, sequence_id: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., exact: _Optional[bool] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("id", "logprob")
@@ -141,7 +153,7 @@ class TopLogprob(_message.Message):
     def __init__(self, id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class SequenceToken(_message.Message):
-    __slots__ = ("sequence_id", "token_id", "logprob", "top_logprobs", "cached_tokens", "beam_running", "beams")
+    __slots__ = ("sequence_id", "token_id", "logprob", "top_logprobs", "cached_tokens", "beam_running", "beams", "predicted_output_tokens")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +161,7 @@ class SequenceToken(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BEAM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     BEAMS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: int
     token_id: int
     logprob: float
@@ -156,7 +169,8 @@ class SequenceToken(_message.Message):
     cached_tokens: int
     beam_running: bool
     beams: _containers.RepeatedCompositeFieldContainer[BeamHypothesis]
-    def __init__(self, sequence_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., beam_running: _Optional[bool] = ..., beams: _Optional[_Iterable[_Union[BeamHypothesis, _Mapping]]] = ...) -> None: ...
+    predicted_output_tokens: int
+    def __init__(self, sequence_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., beam_running: _Optional[bool] = ..., beams: _Optional[_Iterable[_Union[BeamHypothesis, _Mapping]]] = ..., predicted_output_tokens: _Optional[int] = ...) -> None: ...
 
 class BeamHypothesis(_message.Message):
     __slots__ = ("token_ids", "score")
