@@ -17,7 +17,7 @@ from bench.peer_systems import PEERS
 from bench.workload import ARRIVALS, WORKLOADS
 
 COMMANDS = ("throughput", "sweep", "partition", "prefix", "serve", "peers", "ceiling", "matrix",
-            "all", "scheduler-cost", "replicas", "policies", "offline-batch")
+            "all", "scheduler-cost", "replicas", "policies", "offline-batch", "length-prediction")
 
 
 def _floats(text: str) -> list[float]:
@@ -249,6 +249,18 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     rp.add_argument("--repeats", type=int, default=1, help="runs of every config (1)")
     _policies_parser(sub, [_common(), _srv(), _slo(), _peers()])
     _offline_batch_parser(sub, [_common(), _srv()])
+    lp = sub.add_parser("length-prediction", help="length predictors' error, Acc-50, Acc-100: "
+                        "the prompt-id one on the traces; it and the worker's hidden-state "
+                        "probe on real SmolLM2 answers")
+    lp.add_argument("--data", type=Path, default=Path("/work/shared/data"), help="the traces")
+    lp.add_argument("--lag", type=int, default=64,
+                    help="trace requests that arrive before one finishes and is learned (64)")
+    lp.add_argument("--skip-traces", action="store_true", help="only the SmolLM2 table")
+    lp.add_argument("--model", type=Path, default=None,
+                    help="SmolLM2-135M-Instruct directory (default: made under models/)")
+    lp.add_argument("--out", type=Path, default=Path("bench-results"),
+                    help="where the greedy answers are cached (bench-results)")
+    lp.add_argument("--log-level", default="INFO")
     sub.add_parser("all", parents=[common, srv, hf, slo, prs, load, swp, prt, pfx],
                    help="every figure: peers, sweep, partition, prefix, Poisson sweep")
     return parser
