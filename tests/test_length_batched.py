@@ -11,6 +11,7 @@ from scheduler_service.admission import Budget, WaitingQueue
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.params import DecodingConfig
 from scheduler_service.policies import make_policy
+from scheduler_service.policies.length_aware import GROW_MARGIN
 from scheduler_service.policies.length_batched import LengthBatchedAdmission, vbs_batch_size
 from scheduler_service.policies.length_predictor import LengthPredictor, PredictorConfig
 from scheduler_service.preemption import preempt
@@ -62,10 +63,11 @@ def test_vbs_reserves_the_group_limit_so_short_groups_run_larger_batches():
     assert vbs_batch_size(5000, 10, 6000, 64) == 1
     shorts = [seq(i, 40) for i in range(1, 200)]
     admitted = policy().admit(queue(*shorts), room(kv=6000))
-    assert len(admitted) == vbs_batch_size(50, 10, 6000, 1000) == 100
-    assert all(s.reserved_tokens == 10 + 50 for s in admitted)
+    # Each reserves its limit and the tokens Steps in flight may add past it.
+    assert len(admitted) == vbs_batch_size(50 + GROW_MARGIN, 10, 6000, 1000) == 88
+    assert all(s.reserved_tokens == 10 + 50 + GROW_MARGIN for s in admitted)
     longs = [seq(i, 290) for i in range(1, 200)]
-    assert len(policy().admit(queue(*longs), room(kv=6000))) == 19  # limit 300
+    assert len(policy().admit(queue(*longs), room(kv=6000))) == 18  # limit 300
 
 
 def test_fcr_stops_a_sequence_at_its_limit_and_runs_it_after_every_group():
@@ -74,8 +76,8 @@ def test_fcr_stops_a_sequence_at_its_limit_and_runs_it_after_every_group():
     q = queue(first, later, longer)
     assert ids(p.admit(q, room(slots=1))) == [1]
     first.status = Status.RUNNING
-    first.output_ids = [7] * (BUCKET - 2)
-    first.in_flight = 1
+    first.output_ids = [7] * (BUCKET - 1)
+    first.in_flight = 2  # its last token may yet be EOS: not a failure yet
     running = {1: first}
     victims, budget = preempt(p, q, running, room(slots=0, kv=0))
     assert victims == [] and running == {1: first}  # still short of its limit
@@ -88,7 +90,7 @@ def test_fcr_stops_a_sequence_at_its_limit_and_runs_it_after_every_group():
     # room for max_new_tokens: its grown reservation is taken off the budget it handed back.
     assert ids(p.order(q)) == [2, 3, 1]
     assert budget.free_kv_tokens == 10 + 400
-    # Only its old reservation (10 + 50) came back: room for the next of its group only.
+    # Only its old reservation (10 + 58) came back: room for the next of its group only.
     assert ids(p.admit(q, replace(budget, free_slots=10))) == [2]
     assert ids(p.admit(q, room())) == [3, 1]
 
@@ -106,7 +108,7 @@ def test_fcr_failure_is_counted_once_and_never_stopped_again():
     s.status = Status.RUNNING
     s.output_ids = [7] * 190
     assert p.preempt(queue(), [s], room()) == []
-    assert p.failures == 1 and p._grown == (200 - 50)  # grown once, to max_new_tokens
+    assert p.failures == 1 and p._grown == 200 - (50 + GROW_MARGIN)  # once, to max_new
 
 
 def test_without_a_hint_the_shared_predictor_decides():
@@ -115,7 +117,7 @@ def test_without_a_hint_the_shared_predictor_decides():
         p.predictor.learn(10, [], 120)
     s = seq(1, None)
     p.admit(queue(s), room())
-    assert s.predicted_tokens == 120 and s.reserve_new_tokens == 150
+    assert s.predicted_tokens == 120 and s.reserve_new_tokens == 150 + GROW_MARGIN
 
 
 def test_make_policy_by_name():

@@ -15,13 +15,15 @@ batch job; an online mix belongs under `length-aware`, which ages.
 VBS (Sec. 4, "Variable Batch Size"; the released code's `len_bs_dict` halves the batch as
 the limit grows by 50 tokens). The paper sizes a batch so its tokens fit the memory: batch
 size x length about constant, so short groups run in larger batches. Here every admitted
-request reserves prompt + its group's limit of the worker's KV token budget (not prompt +
-max_new_tokens, what FCFS reserves), so a group of limit L runs about
-budget / (prompt + L) requests at once, within max_rolling_batch_size: `vbs_batch_size`.
+request reserves prompt + its group's limit (+ GROW_MARGIN) of the worker's KV token budget
+(not prompt + max_new_tokens, what FCFS reserves), so a group of limit L runs about
+budget / (prompt + L + GROW_MARGIN) requests at once, within max_rolling_batch_size:
+`vbs_batch_size`.
 
-FCR (Sec. 4, "Failure Collection and Recomputation"). A sequence that reaches its group's
-limit (its tokens and those in flight) without ending is stopped there by preemption by
-recompute, collected, and waits behind every request that has not
+FCR (Sec. 4, "Failure Collection and Recomputation"). A sequence that has its group's limit
+of tokens without having ended is stopped there by preemption by recompute (its KV
+reservation holds GROW_MARGIN more tokens, for those Steps already in flight add past the
+limit; they are dropped), then collected, and waits behind every request that has not
 failed, with its reservation grown to max_new_tokens; the failures then run as a group of
 their own. The paper regenerates a failure from the start; here its re-admission prefills
 the prompt and the tokens it already produced (preemption.py), which keeps the output
@@ -31,17 +33,18 @@ token-identical and saves the tokens already paid for.
 from __future__ import annotations
 
 from scheduler_service.admission import Budget, WaitingQueue
-from scheduler_service.policies.length_aware import LengthAwareAdmission
+from scheduler_service.policies.length_aware import GROW_MARGIN, LengthAwareAdmission
 from scheduler_service.policies.length_predictor import LengthPredictor
 from scheduler_service.sequence import Sequence
 
 FAILED_RANK = 1 << 40  # after every group: the collected failures run last
 
 
-def vbs_batch_size(limit: int, prompt_tokens: int, kv_tokens: int, max_batch: int) -> int:
-    """Requests of one group (output limit `limit`, prompts of `prompt_tokens`) that fit a
-    KV budget of `kv_tokens` at once, within `max_batch` slots (at least one)."""
-    return max(1, min(max_batch, kv_tokens // max(1, prompt_tokens + limit)))
+def vbs_batch_size(reserve: int, prompt_tokens: int, kv_tokens: int, max_batch: int) -> int:
+    """Requests of one group (each reserving `reserve` new tokens: the group's limit and
+    GROW_MARGIN; prompts of `prompt_tokens`) that fit a KV budget of `kv_tokens` at once,
+    within `max_batch` slots (at least one)."""
+    return max(1, min(max_batch, kv_tokens // max(1, prompt_tokens + reserve)))
 
 
 class LengthBatchedAdmission(LengthAwareAdmission):
@@ -50,12 +53,20 @@ class LengthBatchedAdmission(LengthAwareAdmission):
         self.failed: set[int] = set()  # seq ids stopped by FCR, until they finish
         self.failures = 0
 
+    def _limit(self, seq: Sequence) -> int:
+        """Its group's limit: the predicted length rounded up to a bucket."""
+        return min(seq.params.max_new_tokens, self.predictor.bucket(seq.predicted_tokens))
+
     def _predict(self, seq: Sequence) -> None:
-        if seq.predicted_tokens is None and seq.length_hint is not None:
+        if seq.predicted_tokens is not None:
+            return
+        if seq.length_hint is not None:
             seq.predicted_tokens = max(1, min(seq.length_hint, seq.params.max_new_tokens))
-            seq.reserve_new_tokens = min(seq.params.max_new_tokens,
-                                         self.predictor.bucket(seq.predicted_tokens))
-        super()._predict(seq)
+        else:
+            super()._predict(seq)
+        # The limit, and the tokens Steps in flight may add past it before FCR stops it.
+        seq.reserve_new_tokens = min(seq.params.max_new_tokens,
+                                     self._limit(seq) + GROW_MARGIN)
 
     def _rank(self, seq: Sequence, waiting: WaitingQueue) -> int:
         self._predict(seq)
@@ -77,12 +88,12 @@ class LengthBatchedAdmission(LengthAwareAdmission):
         return victims
 
     def _outgrows(self, seq: Sequence) -> bool:
-        """At its group's limit: the next Step would take it past. The loop offers only
-        sequences that need another Step, and a token in flight when it is stopped is
-        dropped and drawn again, so it never holds more than the limit."""
-        limit = seq.reserve_new_tokens
-        return (limit is not None and limit < seq.params.max_new_tokens
-                and seq.generated + seq.in_flight >= limit)
+        """It has its group's limit of tokens and none ended it (the loop offers only
+        sequences that may go on): a failure. Tokens of it already in flight past the
+        limit are dropped and drawn again at its recompute."""
+        limit = self._limit(seq)
+        return (seq.seq_id not in self.failed and limit < seq.params.max_new_tokens
+                and seq.generated >= limit)
 
     def _learn(self) -> None:
         super()._learn()
