@@ -17,8 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from seqserve_common.model_source import gguf_kwargs, model_files
 from worker_service import attention, batch_invariance, tensor_parallel
-from worker_service.kernels import (fused_layers, fused_linears, linear_prepack,
-                                    native_attention, sharded_prepack)
+from worker_service.kernels import fused_layers, linear_prepack, native_attention, sharded_prepack
 from worker_service.fallback import OwnAttention
 from worker_service.kv_groups import KVGroup, KVShape
 from worker_service.packed_batch import PackedBatch, PackedCache, StatelessCache
@@ -157,15 +156,11 @@ class ModelRunner:
         # stay off under tensor parallelism.
         sharded = bool(shard)
         if prepack and linear_prepack.supported(self.model):
-            min_rows = batch_invariance.MIN_ROWS if batch_invariant else 1
-            # q/k/v and gate/up as one product each (kernels/fused_linears.py); not on
-            # shards, whose layers the tensor-parallel plan wraps one by one.
-            groups = 0 if sharded else fused_linears.fuse_siblings(self.model, min_rows)
             n = (sharded_prepack.prepack_sharded_linears(self.model) if sharded else
-                 linear_prepack.prepack_linears(self.model, min_rows))
+                 linear_prepack.prepack_linears(
+                     self.model, batch_invariance.MIN_ROWS if batch_invariant else 1))
             self.lm_head = self.model.get_output_embeddings()
-            logger.info("prepacked the weights of %d linear layers and %d fused sibling "
-                        "groups for oneDNN%s", n, groups,
+            logger.info("prepacked the weights of %d linear layers for oneDNN%s", n,
                         " (this rank's shards)" if sharded else "")
         norms, rotary = (0, 0) if sharded else fused_layers.install(self.model)
         if norms or rotary:
