@@ -1,15 +1,13 @@
-"""The worker's packed forward step in process (no gRPC, no scheduler): its time per step
-against the floor's, and an A/B of fused sibling linears (kernels/fused_linears.py).
+"""The worker's packed forward step in process (no gRPC, no scheduler) against the floor.
 
-    python -m bench.worker_step MODEL_DIR [--ab] [--rounds 7] [--threads N]
+    python -m bench.worker_step MODEL_DIR [--threads N] [--rows 1,8,32,64] [--prefill 512]
 
 Decoding steps of 1, 8, 32 and 64 rows at contexts of 200-300 tokens and a 512-token
-prefill, each a forward plus the output layer of the rows that yield a token. Without
---ab: the median step time, and the floor of the same step (bench/floor.py, the GEMM
-rates and bandwidth measured first). With --ab: two runners of the model, without and with
-the fused products, checked to give the same logits bits, timed alternately `rounds`
-times; the ratio new / old per round, and its median (the machine is shared: ratios of
-neighbouring runs, not absolute times).
+prefill, each a forward plus the output layer of the rows that yield a token: the median
+step time, and the floor of the same step (bench/floor.py; the GEMM rates and bandwidth
+are measured first, about a minute). `time_pair` times two runners alternately, for A/B
+comparisons of a change in one process (the ratio per round and its median: on a shared
+machine ratios of neighbouring runs, not absolute times).
 """
 
 from __future__ import annotations
@@ -74,13 +72,10 @@ def main() -> None:
 
     from bench import machine_rates
     from bench.floor import ModelShape, step_floor
-    from worker_service.kernels import fused_linears
     from worker_service.model_runner import ModelRunner
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
-    p.add_argument("--ab", action="store_true")
-    p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--rows", default="1,8,32,64")
     p.add_argument("--prefill", default="512")
@@ -89,38 +84,17 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     rows = [int(x) for x in a.rows.split(",") if x]
     prefill = [int(x) for x in a.prefill.split(",") if x]
-    new = ModelRunner(a.model, dtype="bfloat16")
+    runner = ModelRunner(a.model, dtype="bfloat16")
     print(f"load average {os.getloadavg()[0]:.1f}, torch threads {torch.get_num_threads()}")
-    if not a.ab:
-        shape = ModelShape.from_config(json.loads((Path(a.model) / "config.json").read_text()))
-        rates = machine_rates.measure_model(shape, ms=(1, 8, 32, 64, 256, 1024, 2048))
-        for name, make, tokens, logit_rows, kv in _cases(new, rows, prefill):
-            reps = 20 if tokens <= 64 else 5
-            _timed(new, make, logit_rows, 2)
-            t = statistics.median(_timed(new, make, logit_rows, 1) for _ in range(reps))
-            f = step_floor(shape, rates, tokens, logit_rows, kv)
-            print(f"{name:20s} {t * 1e3:8.2f} ms; floor {f.seconds * 1e3:7.2f} ms (GEMMs "
-                  f"{f.compute_s * 1e3:.2f}, bytes {f.memory_s * 1e3:.2f}): {f.seconds / t:.0%}")
-    else:
-        real = fused_linears.fuse_siblings
-        fused_linears.fuse_siblings = lambda *args, **kw: 0
-        try:
-            old = ModelRunner(a.model, dtype="bfloat16")
-        finally:
-            fused_linears.fuse_siblings = real
-        for name, make, tokens, logit_rows, kv in _cases(new, rows, prefill):
-            same = torch.equal(_step(old, make, logit_rows), _step(new, make, logit_rows))
-            reps = 5 if tokens <= 64 else 1
-            times, ratios = {"old": [], "new": []}, []
-            for _ in range(a.rounds):
-                t_old = _timed(old, make, logit_rows, reps)
-                t_new = _timed(new, make, logit_rows, reps)
-                times["old"].append(t_old)
-                times["new"].append(t_new)
-                ratios.append(t_new / t_old)
-            print(f"{name:20s} same bits {same}; old {statistics.median(times['old']) * 1e3:8.2f}"
-                  f" ms, new {statistics.median(times['new']) * 1e3:8.2f} ms; new / old median "
-                  f"{statistics.median(ratios):.3f} (rounds {min(ratios):.2f}-{max(ratios):.2f})")
+    shape = ModelShape.from_config(json.loads((Path(a.model) / "config.json").read_text()))
+    rates = machine_rates.measure_model(shape, ms=(1, 8, 32, 64, 256, 1024, 2048))
+    for name, make, tokens, logit_rows, kv in _cases(runner, rows, prefill):
+        reps = 20 if tokens <= 64 else 5
+        _timed(runner, make, logit_rows, 2)
+        t = statistics.median(_timed(runner, make, logit_rows, 1) for _ in range(reps))
+        f = step_floor(shape, rates, tokens, logit_rows, kv)
+        print(f"{name:20s} {t * 1e3:8.2f} ms; floor {f.seconds * 1e3:7.2f} ms (GEMMs "
+              f"{f.compute_s * 1e3:.2f}, bytes {f.memory_s * 1e3:.2f}): {f.seconds / t:.0%}")
     print(f"load average {os.getloadavg()[0]:.1f}")
 
 
