@@ -97,6 +97,8 @@ def hidden_state_table(model: Path, cache: Path) -> None:
                 break
             train_s.append(time.perf_counter() - t)
             trains += 1
+    ridge = _ridge_log_length(rows, len(rows) - acc["hidden-state probe (worker)"].n)
+    acc.update(ridge)
     n = acc["hidden-state probe (worker)"].n
     print(f"\n{len(rows)} instructions, {sum(r.cut for r in rows)} cut at {MAX_NEW_TOKENS} "
           f"tokens; scored from request {len(rows) - n + 1} (the probe's first prediction)\n")
@@ -109,6 +111,30 @@ def hidden_state_table(model: Path, cache: Path) -> None:
     print(f"\nprobe cost: observe {ms(observe_s):.3f} ms a new sequence, one training "
           f"minibatch {ms(train_s):.3f} ms (median of {trains}; torch threads "
           f"{torch.get_num_threads()})")
+
+
+def _ridge_log_length(rows, start: int) -> dict[str, Accuracy]:
+    """The alternative the probe was chosen against: ridge regression of log length on the
+    standardized hidden state, refit in closed form on everything before each request
+    (cut answers at their cut), at a few penalties."""
+    import torch
+
+    from bench.length_prompts import MAX_NEW_TOKENS
+
+    x = torch.tensor([r.hidden for r in rows], dtype=torch.float64)
+    y = torch.tensor([r.length for r in rows], dtype=torch.float64).log()
+    out = {}
+    for alpha in (10.0, 100.0, 1000.0):
+        acc = Accuracy()
+        for i in range(start, len(rows)):
+            mean, std = x[:i].mean(0), x[:i].std(0).clamp_min(1e-3)
+            a = (x[:i] - mean) / std
+            w = torch.linalg.solve(a.T @ a + alpha * torch.eye(a.shape[1], dtype=a.dtype),
+                                   a.T @ (y[:i] - y[:i].mean()))
+            pred = float((((x[i] - mean) / std) @ w + y[:i].mean()).exp())
+            acc.add(max(1, min(round(pred), MAX_NEW_TOKENS)), rows[i].length)
+        out[f"ridge on log length, alpha {alpha:g} (bench only)"] = acc
+    return out
 
 
 def run(args: argparse.Namespace) -> None:
