@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     prefix_cache = PrefixCache(runner.kv_shape, cfg.prompt_cache_bytes,
                                cfg.prompt_cache_block_tokens)
     # The length probe reads the leader's hidden states (identical on every rank).
-    probe = LengthProbe(runner.lm_head.weight.shape[-1],
+    probe = LengthProbe(runner.lm_head.in_features,
                         ProbeConfig(min_samples=cfg.length_probe_min_samples))
     engine = Engine(runner, prefix_cache, probe)
     if degree > 1:
