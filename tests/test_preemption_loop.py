@@ -189,3 +189,17 @@ def test_length_aware_outgrown_reservations_preempt_and_outputs_stay_identical()
     # It learned the real lengths of those that ended before the last admission (the
     # policy learns when it next admits).
     assert predictor.learned >= 3 + 2
+
+
+def test_a_preempted_sequence_that_ends_waiting_still_labels_the_length_probe():
+    """The worker keeps a sequence's prompt features for its length probe until the
+    sequence's length comes back (StepRequest.finished); one preempted and then cancelled
+    while waiting must send it too, or the worker holds the features for nothing."""
+    loop = IterationLoop(Worker(), max_rolling_batch_size=2, max_queue=16, max_sparsity=0.3,
+                         max_splits=2, worker_timeout=5, metrics=SchedulerMetrics(),
+                         max_num_batched_tokens=4096, steps_in_flight=1)
+    s = request(loop, 8, 40, priority=0)
+    loop.submit(s)
+    s.output_ids, s.first_token_time = [7, 8, 9], 1.0  # ran three tokens, was preempted
+    loop.cancel(s)
+    assert loop._plan([], []).finished == [(s.seq_id, 3, False)]  # a lower bound
