@@ -16,8 +16,10 @@ from bench.metrics import scrape
 from client import AsyncClient, Client
 
 from scheduler_service.admission import Budget, WaitingQueue
+from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.policies.length_aware import LengthAwareAdmission
 from scheduler_service.policies.length_predictor import LengthPredictor
+from scheduler_service.sequence import FinishReason
 from tests import reference
 from tests.test_length_aware import seq
 from worker_service.length_probe import LengthProbe, ProbeConfig
@@ -137,6 +139,22 @@ def test_prompt_only_ignores_the_worker_and_hidden_only_reserves_max_new_tokens(
         s.hidden_predicted_tokens = 120
         policy.preempt(q, [s], Budget(0, 10_000))
         assert s.reserve_new_tokens == (50 if policy is prompt_only else 150)
+
+
+
+def test_hidden_only_counts_no_prediction_until_the_worker_gives_one():
+    """length_predictor=hidden reserves max_new_tokens before the worker's prediction; that
+    is not a prediction, so the error and Acc metrics must not score it."""
+    policy = LengthAwareAdmission(LengthPredictor(), 1000, use_prompt=False)
+    q = WaitingQueue(100)
+    s = seq(1, [1] * 10, max_new=500)
+    q.push(s)
+    assert policy.admit(q, Budget(1, 10_000)) == [s]
+    assert (s.predicted_tokens, s.reserve_new_tokens) == (None, 500)
+    s.output_ids = [7] * 40  # ended by EOS with no worker prediction (probe not ready)
+    metrics = SchedulerMetrics()
+    metrics.observe_finish(s, FinishReason.EOS, 0.0)
+    assert metrics.length_predictions._value.get() == 0
 
 
 @pytest.mark.slow

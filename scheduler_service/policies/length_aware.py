@@ -50,20 +50,24 @@ class LengthAwareAdmission(RankedAdmission):
         super().__init__(self._rank, preemptive=False)
 
     def _predict(self, seq: Sequence) -> None:
-        if seq.predicted_tokens is not None:
+        if seq.reserve_new_tokens is not None:
             return
-        if self.use_prompt:
-            keys = prefix_keys(seq.prompt_ids, self.predictor.cfg.block_tokens)
-            seq.predicted_tokens = self.predictor.predict(len(seq.prompt_ids), keys,
-                                                          seq.params.max_new_tokens)
-        else:
-            seq.predicted_tokens = seq.params.max_new_tokens
+        if not self.use_prompt:
+            # No prediction until the worker's (predicted_tokens stays None, so the
+            # prediction metrics count only real ones): reserve all it may generate.
+            seq.reserve_new_tokens = seq.params.max_new_tokens
+            return
+        keys = prefix_keys(seq.prompt_ids, self.predictor.cfg.block_tokens)
+        seq.predicted_tokens = self.predictor.predict(len(seq.prompt_ids), keys,
+                                                      seq.params.max_new_tokens)
         seq.reserve_new_tokens = min(seq.params.max_new_tokens,
                                      self.predictor.bucket(seq.predicted_tokens))
 
     def _rank(self, seq: Sequence, waiting: WaitingQueue) -> int:
         self._predict(seq)
-        remaining = max(seq.predicted_tokens - seq.generated, 0)
+        predicted = (seq.params.max_new_tokens if seq.predicted_tokens is None
+                     else seq.predicted_tokens)
+        remaining = max(predicted - seq.generated, 0)
         buckets = -(-remaining // self.predictor.cfg.bucket_tokens)
         return buckets - waiting.waited(seq) // self.aging_steps
 
