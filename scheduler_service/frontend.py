@@ -10,6 +10,7 @@ Unavailable (no worker yet, or shutting down), each mapped to a status by the ad
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping
@@ -148,32 +149,23 @@ class Frontend:
         return seqs
 
     async def events(self, seq: Sequence) -> AsyncIterator[TokenEvent | FinishEvent]:
-        """The sequence's events until its end; cancels it if the caller stops early (the
-        client went away)."""
-        done = False
-        try:
-            while True:
-                event = await seq.events.get()
-                if isinstance(event, FinishEvent):
-                    done = True
-                    if event.reason == FinishReason.ERROR:
-                        self.metrics.requests_failed.labels("UNAVAILABLE").inc()
-                yield event
-                if done:
-                    return
-        finally:
-            if not done and self.state is not None:
-                self.state.workers.cancel(seq)
+        """The sequence's events one by one until its end; cancels it if the caller stops
+        early (the client went away)."""
+        # aclosing: closing this generator closes event_batches now, whose `finally`
+        # cancels the sequence, instead of whenever the garbage collector gets to it.
+        async with contextlib.aclosing(self.event_batches(seq, limit=1)) as batches:
+            async for batch in batches:
+                yield batch[0]
 
-    async def event_batches(self, seq: Sequence
+    async def event_batches(self, seq: Sequence, limit: int = MAX_EVENTS_PER_BATCH
                             ) -> AsyncIterator[list[TokenEvent | FinishEvent]]:
-        """The sequence's events as `events` gives them, but each time with every event
-        already queued behind the first (see take_pending): a stream that fell behind
+        """The sequence's events until its end, each time the first with those already
+        queued behind it, at most `limit` (see take_pending): a stream that fell behind
         catches up in one message. Cancels the sequence if the caller stops early."""
         done = False
         try:
             while True:
-                batch = take_pending(seq.events, await seq.events.get())
+                batch = take_pending(seq.events, await seq.events.get(), limit)
                 if isinstance(batch[-1], FinishEvent):
                     done = True
                     if batch[-1].reason == FinishReason.ERROR:

@@ -5,12 +5,14 @@ the queued events (frontend.take_pending), the message of several tokens
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 from seqserve.v1 import generate_pb2
 
 from client.api import response_tokens, to_chunk, to_chunks
-from scheduler_service.frontend import take_pending
+from scheduler_service.frontend import Frontend, take_pending
 from scheduler_service.grpc_api import token_response
+from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.sequence import FinishEvent, FinishReason, TokenEvent
 
 EVENTS = [TokenEvent(5, "Hel"),
@@ -52,3 +54,32 @@ def test_one_token_goes_in_the_token_field_as_before() -> None:
     assert msg.HasField("token") and not msg.tokens and msg.text == "Hel"
     assert [c.token_id for c in to_chunks(msg)] == [5]
     assert [t.id for t in response_tokens(msg)] == [5]
+
+
+def _frontend() -> tuple[Frontend, list]:
+    cancelled: list = []
+    frontend = Frontend(SchedulerMetrics())
+    frontend.state = SimpleNamespace(workers=SimpleNamespace(cancel=cancelled.append))
+    return frontend, cancelled
+
+
+def test_events_one_by_one_and_batches_together_each_cancelling_when_left_early() -> None:
+    end = FinishEvent(FinishReason.LENGTH, "", 3, 3, 0)
+
+    async def scenario():
+        frontend, cancelled = _frontend()
+        seq = SimpleNamespace(events=_queue([*EVENTS, end]))
+        one_by_one = [e async for e in frontend.events(seq)]
+        seq = SimpleNamespace(events=_queue([*EVENTS, end]))
+        batches = [b async for b in frontend.event_batches(seq)]
+        assert cancelled == []  # both ran to the FinishEvent
+        left = SimpleNamespace(events=_queue(EVENTS))
+        events = frontend.events(left)
+        assert await events.__anext__() == EVENTS[0]
+        await events.aclose()  # the client went away after one token
+        assert cancelled == [left]  # at once, not when the collector finds the generator
+        return one_by_one, batches
+
+    one_by_one, batches = asyncio.run(scenario())
+    assert one_by_one == [*EVENTS, end]
+    assert batches == [[*EVENTS, end]]
