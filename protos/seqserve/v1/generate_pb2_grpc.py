@@ -58,8 +58,9 @@ class GenerationServicer:
 
     def Generate(self, request, context):
         """Streams one GenerateResponse per generated token (its id and the text it
-        completed, possibly empty while a multi-byte character is incomplete), then one
-        final GenerateResponse with `finish_reason` and `usage` set.
+        completed, possibly empty while a multi-byte character is incomplete), or, where the
+        client's stream fell behind, one per run of tokens that piled up (`tokens`), then
+        one final GenerateResponse with `finish_reason` and `usage` set.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
