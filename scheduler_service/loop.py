@@ -328,10 +328,12 @@ class IterationLoop:
         self._step_failures.pop(seq.seq_id, None)
         if was_running and not seq.released:
             self.to_release.append(seq.seq_id)
-        if seq.first_token_time is not None and reason != FinishReason.ERROR:
+        if seq.admitted_step and reason != FinishReason.ERROR:
             # The worker's length probe learns from it (a cut or cancelled one is a bound).
-            # Also when it ends waiting after a preemption: the worker still holds its
-            # prompt's features, which only a label frees.
+            # Sent for every sequence a worker may have prefilled, also one cancelled
+            # before its first token came back or one that ends waiting after a
+            # preemption: the worker holds its prompt's features until a label frees them
+            # (one that teaches nothing, 0 tokens, only frees them).
             self._finished.append((seq.seq_id, seq.generated,
                                    reason in (FinishReason.EOS, FinishReason.STOP)))
         seq.status = Status.FINISHED

@@ -200,6 +200,12 @@ def test_a_preempted_sequence_that_ends_waiting_still_labels_the_length_probe():
                          max_num_batched_tokens=4096, steps_in_flight=1)
     s = request(loop, 8, 40, priority=0)
     loop.submit(s)
-    s.output_ids, s.first_token_time = [7, 8, 9], 1.0  # ran three tokens, was preempted
+    s.admitted_step, s.output_ids = 1, [7, 8, 9]  # ran three tokens, was preempted
     loop.cancel(s)
     assert loop._plan([], []).finished == [(s.seq_id, 3, False)]  # a lower bound
+    # Cancelled after its prefill went to the worker, before its first token came back.
+    s = request(loop, 8, 40, priority=0)
+    loop.submit(s)
+    s.admitted_step = 2
+    loop.cancel(s)
+    assert loop._plan([], []).finished == [(s.seq_id, 0, False)]
