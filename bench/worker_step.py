@@ -5,9 +5,7 @@
 Decoding steps of 1, 8, 32 and 64 rows at contexts of 200-300 tokens and a 512-token
 prefill, each a forward plus the output layer of the rows that yield a token: the median
 step time, and the floor of the same step (bench/floor.py; the GEMM rates and bandwidth
-are measured first, about a minute). `time_pair` times two runners alternately, for A/B
-comparisons of a change in one process (the ratio per round and its median: on a shared
-machine ratios of neighbouring runs, not absolute times).
+are measured first, about a minute).
 """
 
 from __future__ import annotations
