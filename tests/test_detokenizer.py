@@ -75,6 +75,18 @@ def _stream(
     return chunks, detok.flush()
 
 
+class CountingTokenizer:
+    """Decodes with `tokenizer` and records each decode call's length in `calls`."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.calls: list[int] = []
+
+    def decode(self, ids: list[int], **kwargs: bool) -> str:
+        self.calls.append(len(ids))
+        return self.tokenizer.decode(ids, **kwargs)
+
+
 def test_multibyte_split_across_tokens_streams_exact_text(tokenizer: PreTrainedTokenizerBase) -> None:
     split_char_seen = False
     for prompt, generated in _SAMPLES:
@@ -143,15 +155,11 @@ def test_special_tokens_are_skipped(tokenizer: PreTrainedTokenizerBase) -> None:
 
 
 def test_decode_window_stays_small(tokenizer: PreTrainedTokenizerBase) -> None:
-    calls: list[int] = []
-
-    class CountingTokenizer:
-        def decode(self, ids: list[int], **kwargs: bool) -> str:
-            calls.append(len(ids))
-            return tokenizer.decode(ids, **kwargs)
+    counting = CountingTokenizer(tokenizer)
+    calls = counting.calls
 
     prompt_ids = _encode(tokenizer, "prompt " * 50)
-    detok = IncrementalDetokenizer(CountingTokenizer(), prompt_ids, skip_special_tokens=True)  # type: ignore[arg-type]
+    detok = IncrementalDetokenizer(counting, prompt_ids, skip_special_tokens=True)  # type: ignore[arg-type]
     gen_ids = _encode(tokenizer, "hello world 你好 " * 40)
     out = "".join(detok.add(t) for t in gen_ids) + detok.flush()
     assert out == tokenizer.decode(gen_ids)
@@ -163,15 +171,11 @@ def test_invalid_byte_stream_is_bounded_and_exact(tokenizer: PreTrainedTokenizer
     # real U+FFFD in decode(), and the decode window must not grow unbounded.
     lead_byte = tokenizer.convert_tokens_to_ids("ä")  # byte 0xE4 in the byte-level alphabet
     assert tokenizer.decode([lead_byte]) == REPLACEMENT_CHAR
-    calls: list[int] = []
-
-    class CountingTokenizer:
-        def decode(self, ids: list[int], **kwargs: bool) -> str:
-            calls.append(len(ids))
-            return tokenizer.decode(ids, **kwargs)
+    counting = CountingTokenizer(tokenizer)
+    calls = counting.calls
 
     gen_ids = _encode(tokenizer, "hi ") + [lead_byte] * 100 + _encode(tokenizer, "ok 你好")
-    detok = IncrementalDetokenizer(CountingTokenizer(), [], skip_special_tokens=True)  # type: ignore[arg-type]
+    detok = IncrementalDetokenizer(counting, [], skip_special_tokens=True)  # type: ignore[arg-type]
     out = "".join(detok.add(t) for t in gen_ids) + detok.flush()
     assert out == tokenizer.decode(gen_ids)
     assert max(calls) <= 80
@@ -339,14 +343,8 @@ def test_stop_spanning_two_real_tokens(tokenizer: PreTrainedTokenizerBase) -> No
 def test_single_token_context_is_decoded_once_per_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
     # After each slide the context is the one token just emitted; its text comes from the
     # tokenizer's shared table, so a stream over known tokens decodes once per token.
-    calls: list[int] = []
-
-    class CountingTokenizer:
-        def decode(self, ids: list[int], **kwargs: bool) -> str:
-            calls.append(len(ids))
-            return tokenizer.decode(ids, **kwargs)
-
-    counting = CountingTokenizer()
+    counting = CountingTokenizer(tokenizer)
+    calls = counting.calls
     prompt_ids = _encode(tokenizer, "prompt " * 5)
     gen_ids = _encode(tokenizer, "hello world and more " * 5)
     for _ in range(2):
