@@ -123,6 +123,11 @@ class Frontend:
                 first = await self._new_sequence(state, prompt, request,
                                                  rid if single else f"{rid}-{len(seqs)}")
                 first.priority = priority
+                if request.eos_after_tokens is not None and first.params.num_beams > 1:
+                    # Beam search picks among ended hypotheses on the worker; a cut on
+                    # the scheduler's stream would not end them.
+                    raise RequestError("eos_after_tokens does not work with beam search "
+                                       "(num_beams > 1): leave one of them out")
                 first.length_hint = request.length_hint
                 first.eos_after_tokens = request.eos_after_tokens
                 seqs.append(first)

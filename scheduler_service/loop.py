@@ -52,7 +52,7 @@ class IterationLoop:
                  max_sparsity: float, max_splits: int, worker_timeout: float,
                  metrics: SchedulerMetrics, max_num_batched_tokens: int, steps_in_flight: int,
                  policy: AdmissionPolicy | None = None,  # None: FCFS
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, length_labels: bool = True):
         assert worker.info is not None, "connect the worker before starting the loop"
         self.worker = worker
         self.name = worker.address  # the `worker` label of its metrics
@@ -66,6 +66,7 @@ class IterationLoop:
         self.running: dict[int, Sequence] = {}
         self.to_release: list[int] = []
         self._finished: list[tuple[int, int, bool]] = []  # for the next Step (StepPlan)
+        self.length_labels = length_labels  # does the worker's length probe learn from them
         self.policy = policy or FCFSAdmission()
         self.planner = BatchPlanner(max_sparsity, max_splits)
         self.step_id = 0
@@ -328,7 +329,7 @@ class IterationLoop:
         self._step_failures.pop(seq.seq_id, None)
         if was_running and not seq.released:
             self.to_release.append(seq.seq_id)
-        if seq.admitted_step and reason != FinishReason.ERROR:
+        if self.length_labels and seq.admitted_step and reason != FinishReason.ERROR:
             # The worker's length probe learns from it (a cut or cancelled one is a bound).
             # Sent for every sequence a worker may have prefilled, also one cancelled
             # before its first token came back or one that ends waiting after a

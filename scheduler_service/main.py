@@ -69,7 +69,8 @@ async def serve(cfg: ServingConfig, port_file: str | None,
                              max_splits=cfg.max_splits, worker_timeout=cfg.worker_timeout,
                              metrics=metrics, max_num_batched_tokens=cfg.max_num_batched_tokens,
                              steps_in_flight=cfg.steps_in_flight, policy=new_policy(),
-                             enable_chunked_prefill=cfg.enable_chunked_prefill)
+                             enable_chunked_prefill=cfg.enable_chunked_prefill,
+                             length_labels=cfg.length_probe_used)
 
     # Made before the server starts so the admin API can register workers from the start.
     workers = WorkerPool(cfg.worker_addresses, make_client, make_loop, cfg.max_queue)

@@ -285,6 +285,13 @@ class ServingConfig:
     control_token_file: str = ""
     worker_lease: float = 30.0
 
+    @property
+    def length_probe_used(self) -> bool:
+        """Whether the worker's hidden-state length probe is read: only the length-aware
+        policy with a hidden-state predictor reads it, so under any other setting the
+        worker keeps no probe and the scheduler sends it no lengths to learn from."""
+        return self.scheduling_policy == "length-aware" and self.length_predictor != "prompt"
+
 
 assert [f.name for f in fields(ServingConfig)] == [o.key for o in OPTIONS]
 _DEFAULTS = {f.name: f.default for f in fields(ServingConfig)}

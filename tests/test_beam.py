@@ -241,7 +241,8 @@ def test_bad_beam_values_are_refused_by_the_server(llama_eos):
              ("num_return_sequences", dict(num_beams=2, num_return_sequences=3)),
              ("do_sample", dict(num_beams=4, do_sample=True)),
              ("early_stopping", dict(num_beams=4, early_stopping="sometimes")),
-             ("stop", dict(num_beams=4, stop=["x"]))]
+             ("stop", dict(num_beams=4, stop=["x"])),
+             ("eos_after_tokens", dict(num_beams=4, eos_after_tokens=3))]
     with Client(llama_eos.address, timeout=TIMEOUT) as c:
         for field, params in cases:
             with pytest.raises(grpc.RpcError) as err:

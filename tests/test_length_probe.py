@@ -187,3 +187,15 @@ def test_the_worker_prediction_arrives_and_shrinks_the_reservation(llama_dir, de
     for p, r in zip(prompts, replies):
         assert reference.same_until_eos(r.token_ids, reference.greedy(llama_dir, p, 120),
                                         tok.eos_token_id)
+
+
+def test_only_length_aware_with_a_hidden_predictor_keeps_a_probe():
+    """Other policies never read the probe, so its worker cost and the scheduler's labels
+    are paid only where it is read."""
+    from seqserve_common.config import ServingConfig
+
+    used = {(p, u): ServingConfig(scheduling_policy=p, length_predictor=u).length_probe_used
+            for p in ("fcfs", "priority", "mlfq", "length-aware", "length-batched")
+            for u in ("both", "prompt", "hidden")}
+    assert {k for k, v in used.items() if v} == {("length-aware", "both"),
+                                                  ("length-aware", "hidden")}

@@ -156,6 +156,7 @@ def test_prepacked_shards_compute_what_the_plain_shards_do(tmp_path):
     assert [open(f"{out}.{r}").read() for r in range(2)] == ["True", "True"]
 
 
+@pytest.mark.slow  # 15-16 s; make test keeps under its 15 minutes
 def test_killing_rank_one_fails_the_group_and_the_scheduler_recovers(deploy):
     model = tiny_model("llama")
     d = deploy(model, TP2, max_num_batched_tokens=256)

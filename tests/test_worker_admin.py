@@ -85,6 +85,7 @@ def test_a_worker_registered_at_runtime_serves_exactly(llama_dir, tmp_path, monk
     assert sum(counts.values()) == 24, counts
 
 
+@pytest.mark.slow  # 15-16 s; make test keeps under its 15 minutes
 def test_a_drained_worker_finishes_its_streams_then_leaves(llama_dir, tmp_path):
     d = deployment(llama_dir, tmp_path)
     prompts = [(f"the knight number {i} rode to the tower " * (1 + i % 3), 48) for i in range(12)]

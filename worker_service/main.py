@@ -183,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     prefix_cache = PrefixCache(runner.kv_shape, cfg.prompt_cache_bytes,
                                cfg.prompt_cache_block_tokens)
     # The length probe reads the leader's hidden states (identical on every rank).
-    probe = LengthProbe(runner.lm_head.in_features,
-                        ProbeConfig(min_samples=cfg.length_probe_min_samples))
+    probe = (LengthProbe(runner.lm_head.in_features,
+                         ProbeConfig(min_samples=cfg.length_probe_min_samples))
+             if cfg.length_probe_used else None)
     engine = Engine(runner, prefix_cache, probe)
     if degree > 1:
         # Every call that changes the engine or runs the model reaches every rank.
