@@ -160,14 +160,19 @@ def test_serving_reserves_by_prediction_and_outgrown_sequences_stay_identical(ll
             c.generate(reference.prompt_of_tokens(tok, 20, rng), max_new_tokens=5,
                        ignore_eos=True)
     prompts = [reference.prompt_of_tokens(tok, 20, rng) for _ in range(3)]
+    run_together_with_a_preemption(d, llama_dir, tok, prompts, 80)
 
+
+def run_together_with_a_preemption(d, model_dir, tok, prompts, max_new_tokens):
+    """Sends `prompts` at once; at least one sequence is preempted, and every greedy
+    output still equals model.generate on its prompt alone."""
     async def together():
         async with AsyncClient(d.address) as c:
-            return await asyncio.gather(*(c.generate(p, max_new_tokens=80, ignore_eos=True)
-                                          for p in prompts))
+            return await asyncio.gather(*(c.generate(p, max_new_tokens=max_new_tokens,
+                                                     ignore_eos=True) for p in prompts))
 
     replies = asyncio.run(together())
     assert scrape(d.metrics_url)["seqserve_num_preemptions_total"] >= 1
     for p, r in zip(prompts, replies):
-        assert reference.same_until_eos(r.token_ids, reference.greedy(llama_dir, p, 80),
-                                        tok.eos_token_id)
+        assert reference.same_until_eos(
+            r.token_ids, reference.greedy(model_dir, p, max_new_tokens), tok.eos_token_id)

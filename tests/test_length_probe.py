@@ -5,23 +5,20 @@ prediction (policy length-aware takes it over the prompt-id one)."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from bench.metrics import scrape
-from client import AsyncClient, Client
-
+from client import Client
 from scheduler_service.admission import Budget, WaitingQueue
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.policies.length_aware import LengthAwareAdmission
 from scheduler_service.policies.length_predictor import LengthPredictor
 from scheduler_service.sequence import FinishReason
 from tests import reference
-from tests.test_length_aware import seq
+from tests.test_length_aware import run_together_with_a_preemption, seq
 from worker_service.length_probe import LengthProbe, ProbeConfig
 
 D = 16
@@ -166,9 +163,12 @@ def test_the_worker_prediction_arrives_and_shrinks_the_reservation(llama_dir, de
     120-token requests run together until they outgrow it (a preemption shows it). Greedy
     outputs equal model.generate."""
     small = {"max_num_batched_tokens": 128}
-    d = deploy(llama_dir, {**small, "kv_cache_bytes": 240 * 512, "length_probe_min_samples": 1},
-               **small, scheduling_policy="length-aware", length_predictor="hidden",
-               max_rolling_batch_size=4)
+    # Both processes read the policy, as from one serving.properties: the worker keeps a
+    # probe only where the scheduler reads it (ServingConfig.length_probe_used).
+    policy = {"scheduling_policy": "length-aware", "length_predictor": "hidden"}
+    d = deploy(llama_dir, {**small, **policy, "kv_cache_bytes": 240 * 512,
+                           "length_probe_min_samples": 1},
+               **small, **policy, max_rolling_batch_size=4)
     tok = AutoTokenizer.from_pretrained(llama_dir)
     rng = random.Random(7)
     first = reference.prompt_of_tokens(tok, 20, rng)
@@ -176,17 +176,7 @@ def test_the_worker_prediction_arrives_and_shrinks_the_reservation(llama_dir, de
     with Client(d.address) as c:
         assert c.generate(first, max_new_tokens=60, stop=[stop]).finish_reason == "stop"
     prompts = [reference.prompt_of_tokens(tok, 20, rng) for _ in range(2)]
-
-    async def together():
-        async with AsyncClient(d.address) as c:
-            return await asyncio.gather(*(c.generate(p, max_new_tokens=120, ignore_eos=True)
-                                          for p in prompts))
-
-    replies = asyncio.run(together())
-    assert scrape(d.metrics_url)["seqserve_num_preemptions_total"] >= 1
-    for p, r in zip(prompts, replies):
-        assert reference.same_until_eos(r.token_ids, reference.greedy(llama_dir, p, 120),
-                                        tok.eos_token_id)
+    run_together_with_a_preemption(d, llama_dir, tok, prompts, 120)
 
 
 def test_only_length_aware_with_a_hidden_predictor_keeps_a_probe():

@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     from worker_service.compute import MainThreadExecutor
     from worker_service.engine import Engine
     from worker_service.host_memory import keep_freed_memory
-    from worker_service.metrics import WorkerMetrics
     from worker_service.length_probe import LengthProbe, ProbeConfig
+    from worker_service.metrics import WorkerMetrics
     from worker_service.model_runner import ModelRunner
     from worker_service.prefix_cache import PrefixCache
     from worker_service.servicer import WorkerServicer
@@ -186,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     probe = (LengthProbe(runner.lm_head.in_features,
                          ProbeConfig(min_samples=cfg.length_probe_min_samples))
              if cfg.length_probe_used else None)
+    if probe is not None:
+        logger.info("length probe on (scheduling_policy length-aware, length_predictor %s)",
+                    cfg.length_predictor)
     engine = Engine(runner, prefix_cache, probe)
     if degree > 1:
         # Every call that changes the engine or runs the model reaches every rank.
