@@ -10,9 +10,9 @@ from bench.commands.common import DEFAULT_MODEL
 from bench.commands.matrix import MATRIX_FRACTIONS
 from bench.commands.serve import RATE_FRACTIONS
 from bench.commands.sweep import SWEEP_SPARSITIES, SWEEP_SPLITS
-from bench.policy_plan import (DEFAULT_FRACTIONS, DEFAULT_POLICIES, DEFAULT_REQUESTS,
-                               DEFAULT_URGENT_FRACTION, DEFAULT_WARMUP, DEFAULT_WORKLOADS,
-                               URGENT_PRIORITY)
+from bench.policy_plan import (DEFAULT_BATCH_LIMIT, DEFAULT_FRACTIONS, DEFAULT_POLICIES,
+                               DEFAULT_REQUESTS, DEFAULT_URGENT_FRACTION, DEFAULT_WARMUP,
+                               DEFAULT_WORKLOADS, URGENT_PRIORITY)
 from bench.peer_systems import PEERS
 from bench.workload import ARRIVALS, WORKLOADS
 
@@ -271,8 +271,10 @@ def _policies_parser(sub, parents) -> None:
                         help="each scheduling policy against FCFS at fractions of FCFS's knee, "
                              "per trace (issue 19; make bench-policies)")
     # Defaults of this command, not of the shared groups: SmolLM2, no peer unless asked,
-    # and DEFAULT_REQUESTS measured rows (see bench/policy_plan.py for why that many).
-    pp.set_defaults(model=None, peers=[], num_requests=None)
+    # DEFAULT_REQUESTS measured rows and a batch limit of DEFAULT_BATCH_LIMIT, so that a
+    # queue forms (see bench/policy_plan.py for why these).
+    pp.set_defaults(model=None, peers=[], num_requests=None,
+                    max_rolling_batch_size=DEFAULT_BATCH_LIMIT)
     g = pp.add_argument_group("policies")
     g.add_argument("--workloads", type=_list, default=list(DEFAULT_WORKLOADS),
                    help="comma-separated traces (azure-conv,azure-code,mooncake)")
@@ -290,11 +292,12 @@ def _policies_parser(sub, parents) -> None:
                    help="their priority; the others send 0 (-10; lower is more urgent)")
     g.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
                    help="trace rows before the measured ones, sent all at once to every "
-                        "server first and not measured (64)")
+                        f"server first and not measured ({DEFAULT_WARMUP})")
     counts = ", ".join(f"{k} {v}" for k, v in DEFAULT_REQUESTS.items())
     pp.epilog = ("--model defaults to smollm2 (bfloat16, bench/matrix_models.py), "
-                 f"--num-requests (for every trace where given) to {counts}; lengths are "
-                 "scaled as the matrix's.")
+                 f"--max-rolling-batch-size to {DEFAULT_BATCH_LIMIT}, --num-requests (for every "
+                 f"trace where given) to {counts}, each above the batch limit (refused "
+                 "otherwise: no queue would form); lengths are scaled as the matrix's.")
 
 
 def _offline_batch_parser(sub, parents) -> None:

@@ -28,12 +28,23 @@ CONTROL = "fcfs"  # every ratio column is taken against it
 DEFAULT_POLICIES = tuple(POLICIES)
 DEFAULT_FRACTIONS = (0.5, 0.8, 1.0)  # of FCFS's knee
 DEFAULT_WORKLOADS = ("azure-conv", "azure-code", "mooncake")
-# Measured requests per trace: with these the default run (3 traces x 3 fractions x 5
-# policies, knee probes, idle TTFTs, 64 warm-up requests per server) fits in about 35 minutes
-# on the 2-core machine (`estimate_seconds`). Mooncake's prompts are about 3x Azure code's,
-# so it gets half the requests; the urgent class is then 3, 3 and 2 requests.
-DEFAULT_REQUESTS = {"azure-conv": 32, "azure-code": 32, "mooncake": 16}
-DEFAULT_WARMUP = 64
+# The batch limit of every server (and vLLM's max_num_seqs). The policies differ only in
+# which waiting request goes next, so a run must make requests wait: with the shared
+# default of 64 and 32 requests none ever waited (docs/benchmarks.md). At 16 slots FCFS's
+# knee on Azure conversation is where the batch is full and a queue forms (2.95 requests/s
+# on the quiet machine), so 0.8 and 1.0 of it put a queue in front of the policies.
+DEFAULT_BATCH_LIMIT = 16
+# Measured requests per trace: 4x the batch limit on the Azure traces, so the batch fills
+# and refills several times in a run, and the urgent class is 6 requests (a p99 over 6 is
+# close to their maximum; fewer would be one request's luck). Mooncake's prompts are about
+# 3x Azure code's, so it gets half (2x the limit). With these the default run (3 traces x
+# 3 fractions x 5 policies, knee probes, idle TTFTs, warm-ups) is estimated at about 45
+# minutes on the quiet 2-core machine without vLLM (`estimate_seconds`).
+DEFAULT_REQUESTS = {"azure-conv": 64, "azure-code": 64, "mooncake": 32}
+# Warm-up rows per server: 2x the batch limit is enough for length-aware's predictor to
+# have a sample under most prompt-length bins (it needs three), and halves the warm-up of
+# the earlier 64, which the measured rows' increase pays for.
+DEFAULT_WARMUP = 32
 DEFAULT_URGENT_FRACTION = 0.1
 URGENT_PRIORITY = -10
 # Seeds of the prompts (offsets from --seed): the knee probes use seed and seed + 1 + i
@@ -84,6 +95,14 @@ def check_args(args) -> None:
     if args.num_requests is not None and args.num_requests < 2:
         fail(f"--num-requests must be >= 2 (a Poisson run needs two arrivals), got "
              f"{args.num_requests}")
+    if args.max_rolling_batch_size < 1:
+        fail(f"--max-rolling-batch-size must be >= 1, got {args.max_rolling_batch_size}")
+    full = [w for w in args.workloads if num_requests(args, w) <= args.max_rolling_batch_size]
+    if full:
+        fail(f"{full}: --num-requests {[num_requests(args, w) for w in full]} <= "
+             f"--max-rolling-batch-size {args.max_rolling_batch_size}: every request gets a "
+             "batch slot at once, no queue forms and the policies cannot differ; give more "
+             "requests than the batch limit, or a smaller limit")
     others = [p for p in args.peers if p != "vllm"]
     if others:
         fail(f"only the vllm peer runs here (a serving comparison), not {others}")

@@ -35,10 +35,12 @@ def test_defaults_are_the_issues_run():
     assert args.policies == ["fcfs", "fcfs-unchunked", "priority", "mlfq", "length-aware"]
     assert args.rate_fractions == [0.5, 0.8, 1.0]
     assert args.knee_fractions == [0.5, 0.75, 0.9, 1.1]  # the matrix's
-    assert (args.urgent_fraction, args.urgent_priority, args.warmup) == (0.1, -10, 64)
+    assert (args.urgent_fraction, args.urgent_priority, args.warmup) == (0.1, -10, 32)
     assert args.peers == [] and args.model is None  # no peer unless asked; SmolLM2
-    assert [num_requests(args, w) for w in args.workloads] == [32, 32, 16]
-    assert num_requests(parse("--num-requests", "8"), "mooncake") == 8
+    # A queue can form: every trace sends more requests than the batch has slots.
+    assert args.max_rolling_batch_size == 16
+    assert [num_requests(args, w) for w in args.workloads] == [64, 64, 32]
+    assert num_requests(parse("--num-requests", "20"), "mooncake") == 20
     assert parse("--peers", "vllm").peers == ["vllm"]
 
 
@@ -50,6 +52,7 @@ def test_the_commands_own_defaults_leave_the_other_commands_alone():
         args = build_parser("doc\n\nepilog").parse_args([command])
         assert args.peers == list(PEERS), command
         assert (args.model, args.num_requests) == (DEFAULT_MODEL, 64), command
+        assert args.max_rolling_batch_size == 64, command
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -65,6 +68,9 @@ def test_the_commands_own_defaults_leave_the_other_commands_alone():
     (["--urgent-priority", "-101"], "--urgent-priority must be in"),
     (["--warmup", "-1"], "--warmup must be"),
     (["--num-requests", "1"], "--num-requests must be"),
+    (["--num-requests", "16"], r"<= --max-rolling-batch-size 16: .*no queue forms"),
+    (["--max-rolling-batch-size", "40"], r"\['mooncake'\]: --num-requests \[32\] <= "),
+    (["--max-rolling-batch-size", "0"], "--max-rolling-batch-size must be >= 1"),
     (["--peers", "hf,vllm"], "only the vllm peer"),
     (["--server-option", "scheduling-policy=mlfq"], "each policy sets its own"),
 ])
@@ -295,7 +301,13 @@ def test_estimate_counts_every_server_run_and_vllm():
     assert with_vllm - one == pytest.approx(150 + 20 / knee_rate + 2)
 
 
-def test_default_run_is_estimated_near_35_minutes():
+def test_a_queue_may_form_when_requests_outnumber_the_slots():
+    check_args(parse("--num-requests", "17"))
+    check_args(parse("--num-requests", "6", "--max-rolling-batch-size", "4"))  # the smoke
+    check_args(parse("--max-rolling-batch-size", "31"))
+
+
+def test_default_run_is_estimated_near_45_minutes():
     # The default counts were chosen for it: the traces' real token counts at the matrix's
     # scale, every default policy and fraction, no vLLM.
     from bench.policy_plan import DEFAULT_WARMUP
@@ -311,4 +323,4 @@ def test_default_run_is_estimated_near_35_minutes():
                                sum(i.prompt_len for i in warm), sum(i.output_len for i in warm)))
     minutes = estimate_seconds(works, policies=5, fractions=[0.5, 0.8, 1.0],
                                knee_fractions=[0.5, 0.75, 0.9, 1.1], vllm=False) / 60
-    assert 28 <= minutes <= 38
+    assert 38 <= minutes <= 50
