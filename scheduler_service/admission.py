@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
+from scheduler_service.chunking import chunk_end
 from scheduler_service.sequence import Sequence, Status
 
 
@@ -96,6 +97,10 @@ class Budget:
     # Prompts may be prefilled in chunks (chunking.py): a request joins while any of
     # prefill_tokens is left, its first chunk taking what its prompt needs of it.
     chunked: bool = False
+    # With chunking: running prompts not wholly prefilled yet, in the order of their
+    # admission. Their next chunks are paid from prefill_tokens too, before a new
+    # request's unless the policy's `prefill_order` puts that request ahead of them.
+    started: tuple[Sequence, ...] = ()
 
 
 class AdmissionPolicy(Protocol):
@@ -108,6 +113,13 @@ class AdmissionPolicy(Protocol):
 
     def preempt(self, waiting: WaitingQueue, running: list[Sequence],
                 budget: Budget) -> list[Sequence]: ...
+
+    def prefill_order(self, started: list[Sequence], admitted: list[Sequence],
+                      waiting: WaitingQueue) -> list[Sequence]:
+        """The order in which the step's prompt chunks are paid from its budget: the
+        prompts begun (`started`, oldest first) and those admitted now, which `admit`
+        chose against the same order (`fitting_prefix`'s `key`)."""
+        ...
 
 
 class FCFSAdmission:
@@ -124,16 +136,27 @@ class FCFSAdmission:
             waiting.pop()
         return admitted
 
+    def prefill_order(self, started: list[Sequence], admitted: list[Sequence],
+                      waiting: WaitingQueue) -> list[Sequence]:
+        return started + admitted  # arrival order: the prompts begun came first
 
-def fitting_prefix(candidates: Iterable[Sequence], budget: Budget) -> list[Sequence]:
+
+def fitting_prefix(candidates: Iterable[Sequence], budget: Budget,
+                   key: Callable[[Sequence], Any] | None = None) -> list[Sequence]:
     """The longest run of `candidates`, in their order, that fits `budget`: a batch slot
     and its KV reservation each, and prompt tokens within the step's prefill budget (the
-    first always; with chunking, each while any budget is left). Stopping at the first
-    that does not fit keeps a large request from being passed by smaller ones."""
+    first always; with chunking, each while any budget is left once the chunks paid
+    before its own are: those of `budget.started`, all of them without a `key`, else
+    those of a smaller key, as `prefill_order` pays them). Stopping at the first that
+    does not fit keeps a large request from being passed by smaller ones."""
     admitted: list[Sequence] = []
     slots, tokens = budget.free_slots, budget.free_kv_tokens
     prefill = budget.prefill_tokens
+    started = sorted(budget.started, key=key) if key else list(budget.started)
     for seq in candidates:
+        while started and prefill > 0 and (key is None or key(started[0]) < key(seq)):
+            s = started.pop(0)  # its chunk, as chunking.StepBudget.take will cut it
+            prefill -= chunk_end(s.prefilled, s.prefill_target, prefill, True) - s.prefilled
         if slots <= 0 or seq.reserved_tokens > tokens:
             break
         if prefill <= 0 or (admitted and not budget.chunked and seq.length > prefill):

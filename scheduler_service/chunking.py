@@ -30,6 +30,17 @@ def decode_tokens(seq: Sequence) -> int:
     return max(p.top_k, 1) if p.strategy == DecodingStrategy.CONTRASTIVE else seq.rows
 
 
+def chunk_end(start: int, target: int, left: int, chunked: bool) -> int:
+    """Where the next chunk of a prompt prefilled up to `start` of `target` tokens ends,
+    given `left` tokens of the step's budget (> 0): the rest of the prompt if it fits (or
+    without chunking), else what the budget allows, cut down to end on a multiple of
+    CHUNK_ALIGN when that still leaves the chunk a token."""
+    end = start + (min(target - start, left) if chunked else target - start)
+    if end < target and end - end % CHUNK_ALIGN > start:
+        end -= end % CHUNK_ALIGN
+    return end
+
+
 class Chunk(NamedTuple):
     """Tokens [start, end) of a sequence's prompt, prefilled in one step."""
 
@@ -47,18 +58,26 @@ class StepBudget:
         self.chunks: dict[int, Chunk] = {}
 
     @classmethod
-    def for_step(cls, max_num_batched_tokens: int, chunked: bool,
-                 running: Iterable[Sequence]) -> StepBudget:
-        """The step's budget for prompts once the running sequences had theirs: with
-        chunking, what the decoding rows leave of max_num_batched_tokens (may be <= 0),
-        less the next chunks of the prompts begun (oldest first). What is left is for
-        new requests (`take` their chunks once admitted)."""
-        running = list(running)
+    def for_decoding(cls, max_num_batched_tokens: int, chunked: bool,
+                     running: Iterable[Sequence]) -> StepBudget:
+        """The step's budget for prompts once the decoding rows had theirs: with chunking,
+        what they leave of max_num_batched_tokens (may be <= 0). The prompts begun and the
+        new ones then `take` their chunks, in the order the admission policy gives
+        (`AdmissionPolicy.prefill_order`)."""
         if not chunked:
             return cls(max_num_batched_tokens, False)
-        budget = cls(max_num_batched_tokens - sum(decode_tokens(s) for s in running
-                                                  if not s.prefilling), True)
-        budget.take(s for s in running if s.prefilling)
+        return cls(max_num_batched_tokens - sum(decode_tokens(s) for s in running
+                                                if not s.prefilling), True)
+
+    @classmethod
+    def for_step(cls, max_num_batched_tokens: int, chunked: bool,
+                 running: Iterable[Sequence]) -> StepBudget:
+        """`for_decoding`, then the next chunks of the prompts begun, in their order. What
+        is left is for new requests (`take` their chunks once admitted)."""
+        running = list(running)
+        budget = cls.for_decoding(max_num_batched_tokens, chunked, running)
+        if chunked:
+            budget.take(s for s in running if s.prefilling)
         return budget
 
     def take(self, seqs: Iterable[Sequence]) -> dict[int, Chunk]:
@@ -74,9 +93,7 @@ class StepBudget:
                 continue
             if self.chunked and self.left <= 0:
                 break
-            end = start + (min(need, self.left) if self.chunked else need)
-            if end < s.prefill_target and end - end % CHUNK_ALIGN > start:
-                end -= end % CHUNK_ALIGN
+            end = chunk_end(start, s.prefill_target, self.left, self.chunked)
             chunks[s.seq_id] = Chunk(start, end)
             s.prefilled = end
             if self.chunked:

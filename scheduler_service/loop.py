@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import grpc
@@ -206,10 +206,14 @@ class IterationLoop:
                 await self._send(self._plan([], []))  # free the worker's KV now
                 return True
             return False
-        budget = StepBudget.for_step(self.max_num_batched_tokens, self.chunked, advancing)
+        # The decoding rows first; the prompts' chunks after the admission and its
+        # preemptions, in the policy's order, so a victim's chunk takes no budget and an
+        # urgent request's can go before those of prompts begun earlier.
+        budget = StepBudget.for_decoding(self.max_num_batched_tokens, self.chunked, advancing)
         admitted = self._admit(budget) if self.admitting else []
-        budget.take(admitted)
         advancing = [s for s in advancing if s.seq_id in self.running]  # less the preempted
+        budget.take(self.policy.prefill_order([s for s in advancing if s.prefilling],
+                                              admitted, self.waiting))
         if not advancing and not admitted:
             if not self.running:
                 for head in [s for s in self.waiting if s.reserved_tokens > self.kv_budget]:
@@ -227,6 +231,8 @@ class IterationLoop:
             slots = min(slots, 1)  # isolate the re-admitted sequences (see recovery.py)
         budget = Budget(slots, self.kv_budget - reserved, prefill.left, prefill.chunked)
         victims, budget = preempt(self.policy, self.waiting, self.running, budget)
+        budget = replace(budget, started=tuple(s for s in self.running.values()
+                                               if s.advancing and s.prefilling))
         self.to_release += [s.seq_id for s in victims]
         self.metrics.preemptions.inc(len(victims))
         admitted = self.policy.admit(self.waiting, budget)

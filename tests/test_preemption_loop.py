@@ -64,6 +64,8 @@ class Stream:
             raise StepFailed("FAILED_PRECONDITION", f"groups {grouped} != live {sorted(w.live)}")
         tokens = []
         for sid in grouped:
+            if sid in plan.no_token:
+                continue  # a prompt chunk that leaves part of the prompt: no token yet
             prompt, pos = w.live[sid]
             w.live[sid][1] += 1
             tokens.append(StepToken(sid, token(prompt, pos), cached_tokens=0))
@@ -209,3 +211,75 @@ def test_a_preempted_sequence_that_ends_waiting_still_labels_the_length_probe():
     s.admitted_step = 2
     loop.cancel(s)
     assert loop._plan([], []).finished == [(s.seq_id, 0, False)]
+
+
+def first_token_steps_behind_a_long_prompt(policy, *, in_flight: int, slots: int,
+                                           urgent_prompt: int) -> tuple[int, list, Sequence]:
+    """A low-priority sequence decodes and another prefills a 640-token prompt, 64 tokens a
+    Step (max_num_batched_tokens 65: one decoding row and one chunk); an urgent request
+    arrives in mid-prefill. Returns the Steps sent from its arrival to its first token,
+    and the sequences, run to their end."""
+    worker = Worker()
+
+    async def run():
+        loop = IterationLoop(worker, max_rolling_batch_size=slots, max_queue=16,
+                             max_sparsity=0.3, max_splits=2, worker_timeout=5,
+                             metrics=SchedulerMetrics(), max_num_batched_tokens=65,
+                             steps_in_flight=in_flight, policy=policy)
+        decoding = request(loop, 8, 60, priority=5)
+        loop.submit(decoding)
+        task = asyncio.create_task(loop.run())
+        while not decoding.output_ids:
+            await asyncio.sleep(0)
+        long = request(loop, 640, 4, priority=5)
+        loop.submit(long)
+        while long.prefilled < 128:
+            await asyncio.sleep(0)
+        urgent = request(loop, urgent_prompt, 4, priority=0)
+        loop.submit(urgent)
+        sent_at = loop.step_id
+        while not urgent.output_ids:
+            await asyncio.sleep(0)
+        steps = loop.step_id - sent_at
+        for s in (decoding, long, urgent):
+            while not s.finished:
+                await asyncio.sleep(0.001)
+        loop.stop()
+        await task
+        return steps, [decoding, long], urgent
+
+    return asyncio.run(asyncio.wait_for(run(), 30))
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+@pytest.mark.parametrize("slots", [3, 2])  # a slot free; the batch full (one is preempted)
+def test_urgent_prompt_chunk_goes_before_prompts_begun_earlier(in_flight, slots):
+    """Counted in Steps: the urgent request is admitted into the next Step planned and its
+    chunk is paid before the long prompt's, so its first token comes with that Step. (Were
+    the prompts begun paid first, it would wait for the long prompt's 8 more chunks; were
+    a victim's chunk paid before the preemption, the Step that stops the victim would have
+    no budget left to admit it.)"""
+    steps, low, urgent = first_token_steps_behind_a_long_prompt(
+        PriorityAdmission(aging_steps=1000), in_flight=in_flight, slots=slots,
+        urgent_prompt=5)
+    assert steps <= in_flight + 1
+    for s in [*low, urgent]:
+        assert s.output_ids == [token(s.prompt_ids, i) for i in range(s.params.max_new_tokens)]
+
+
+def test_a_long_urgent_prompts_later_chunks_go_first_too():
+    """A 200-token urgent prompt takes 4 of the 64-token Step budgets, each ahead of the
+    long prompt begun before it: its first token comes with its 4th Step."""
+    steps, low, urgent = first_token_steps_behind_a_long_prompt(
+        PriorityAdmission(aging_steps=1000), in_flight=1, slots=3, urgent_prompt=200)
+    assert steps <= 4 + 1
+    for s in [*low, urgent]:
+        assert s.output_ids == [token(s.prompt_ids, i) for i in range(s.params.max_new_tokens)]
+
+
+def test_fcfs_pays_the_prompts_begun_first():
+    """The control: FCFS keeps arrival order in the budget too, so the urgent request waits
+    for the long prompt's chunks."""
+    steps, _, _ = first_token_steps_behind_a_long_prompt(None, in_flight=1, slots=3,
+                                                         urgent_prompt=5)
+    assert steps >= 8

@@ -36,10 +36,21 @@ class RankedAdmission:
         return sorted(waiting, key=lambda s: self._key(s, waiting))
 
     def admit(self, waiting: WaitingQueue, budget: Budget) -> list[Sequence]:
-        admitted = fitting_prefix(self.order(waiting), budget)
+        key = (lambda s: self._key(s, waiting)) if self.preemptive else None
+        admitted = fitting_prefix(self.order(waiting), budget, key)
         for seq in admitted:
             waiting.remove(seq)
         return admitted
+
+    def prefill_order(self, started: list[Sequence], admitted: list[Sequence],
+                      waiting: WaitingQueue) -> list[Sequence]:
+        """A preemptive policy pays prompt chunks in its own order: a request it would
+        stop running sequences for also comes before their prompts' chunks (and an
+        urgent prompt's later chunks before theirs), so it is not held behind prompts
+        begun earlier. A policy that never preempts to admit keeps arrival order."""
+        if not self.preemptive:
+            return started + admitted
+        return sorted(started + admitted, key=lambda s: self._key(s, waiting))
 
     def preempt(self, waiting: WaitingQueue, running: list[Sequence],
                 budget: Budget) -> list[Sequence]:
