@@ -58,6 +58,32 @@ def test_no_prediction_before_min_samples_exact_labels():
     assert probe.observe(10, x) is not None
 
 
+def test_minibatches_sample_the_window_uniformly():
+    """Every minibatch row is drawn uniformly (seeded) from the samples held: the newest
+    labels are no likelier than the rest, and the draw repeats with the seed."""
+    def rows_drawn(cfg: ProbeConfig, labels: int, batches: int) -> torch.Tensor:
+        probe = LengthProbe(D, cfg)
+        drawn = []
+        rows = probe._rows
+        probe._rows = lambda: drawn.append(rows()) or drawn[-1]
+        for i in range(labels):
+            probe.learn(torch.randn(D), 30 + i, exact=True)
+        assert probe.train(batches) == batches
+        return torch.cat(drawn)
+
+    cfg = ProbeConfig(window=64, batch=32, updates=4, seed=3)
+    rows = rows_drawn(cfg, 64, 16)  # 512 rows over 64 slots
+    assert torch.equal(rows, rows_drawn(cfg, 64, 16))  # seeded
+    newest = (rows >= 48).float().mean().item()  # the newest 16 of 64 labels: 1/4
+    assert 0.18 < newest < 0.32
+    first = rows[:4 * 32]  # the first minibatches after the labels came, too
+    assert 0.12 < (first >= 48).float().mean().item() < 0.40
+    counts = torch.bincount(rows, minlength=64)
+    assert (counts > 0).all() and counts.max() <= 20  # 8 expected a slot
+    # The window wrapped: 100 labels in 64 slots, each slot held, each drawn alike.
+    assert rows_drawn(cfg, 100, 16).max() == 63
+
+
 def test_learns_a_separable_problem_online():
     centers, g = _clusters()
     probe = LengthProbe(D, ProbeConfig(min_samples=16))

@@ -23,8 +23,11 @@ prediction (None): the scheduler keeps its own.
 
 Training stays off a step's critical path: `learn` only stores the sample and owes it
 `updates` minibatches; each `train(max_batches)` call (once per Step, after its tokens
-are chosen) runs at most that many of the owed small Adam minibatches (new samples mixed
-with replayed old ones), and nothing when none is owed. Features are standardized by running moments, which the massive
+are chosen) runs at most that many of the owed small Adam minibatches, each drawn uniformly
+(seeded) from the kept window, and nothing when none is owed. Uniform, not newest first: a
+label is owed minibatches when it arrives, so a burst of similar requests already weighs
+more in the next updates, and a minibatch half made of the newest rows would let the
+latest few labels pull the probe away from everything else it holds. Features are standardized by running moments, which the massive
 activations of a few hidden dimensions would otherwise dominate.
 """
 
@@ -72,7 +75,6 @@ class LengthProbe:
         self._censored = torch.zeros(cfg.window, dtype=torch.bool)
         self._stored = 0  # samples ever stored; slot = stored % window
         self._owed = 0  # minibatches owed to the samples stored since the last train
-        self._new = 0  # samples stored since the last train
         # Running moments of every feature learned from (Welford), for standardizing.
         self._n = 0
         self._mean = torch.zeros(hidden_size)
@@ -145,7 +147,6 @@ class LengthProbe:
         slot = self._stored % self.cfg.window
         self._x[slot], self._y[slot], self._censored[slot] = x, b, not exact
         self._stored += 1
-        self._new += 1
         self._owed = min(self._owed + self.cfg.updates, self.cfg.max_owed)
         self._n += 1
         delta = x - self._mean
@@ -174,12 +175,7 @@ class LengthProbe:
         """One Adam step of the (censored) log-likelihood, its gradient by hand: autograd's
         bookkeeping would cost more than the arithmetic of a 32-row softmax."""
         cfg = self.cfg
-        held = min(self._stored, cfg.window)
-        newest = min(self._new, cfg.batch // 2, held)
-        # The newest samples, the rest replayed at random from everything held.
-        idx = torch.randint(held, (cfg.batch,), generator=self._gen)
-        idx[:newest] = (torch.arange(self._stored - newest, self._stored)) % cfg.window
-        self._new -= newest
+        idx = self._rows()
         x, y, cens = self._standardize(self._x[idx]), self._y[idx], self._censored[idx]
         p = torch.softmax(x @ self._w + self._b, -1)
         # d(-log P(bucket = y))/dlogits = p - onehot(y); censored, d(-log P(bucket >= y))
@@ -190,6 +186,12 @@ class LengthProbe:
         g = p - torch.where(cens[:, None], upper, target)
         self._adam(0, x.T @ g / cfg.batch + cfg.weight_decay * self._w, self._w)
         self._adam(1, g.mean(0), self._b)
+
+    def _rows(self) -> torch.Tensor:
+        """A minibatch's rows: uniform over the samples held (the window's slots once it
+        has wrapped), from the probe's seeded generator."""
+        held = min(self._stored, self.cfg.window)
+        return torch.randint(held, (self.cfg.batch,), generator=self._gen)
 
     def _adam(self, i: int, grad: torch.Tensor, param: torch.Tensor) -> None:
         m, v = self._moments[i]
