@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from scheduler_service.admission import Budget, WaitingQueue
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.params import DecodingConfig
 from scheduler_service.policies import make_policy
-from scheduler_service.policies.length_aware import GROW_MARGIN
+from scheduler_service.policies.length_aware import GROW_MARGIN, grow_margin
 from scheduler_service.policies.length_batched import LengthBatchedAdmission, vbs_batch_size
 from scheduler_service.policies.length_predictor import LengthPredictor, PredictorConfig
 from scheduler_service.preemption import preempt
@@ -123,6 +125,24 @@ def test_without_a_hint_the_shared_predictor_decides():
 def test_make_policy_by_name():
     p = make_policy(ServingConfig(scheduling_policy="length-batched", length_bucket_tokens=20))
     assert isinstance(p, LengthBatchedAdmission) and p.predictor.cfg.bucket_tokens == 20
+
+
+@pytest.mark.parametrize("in_flight, margin", [(1, GROW_MARGIN), (2, GROW_MARGIN),
+                                               (7, GROW_MARGIN), (8, 9), (20, 21)])
+def test_the_reservation_margin_covers_the_configured_steps_in_flight(in_flight, margin):
+    """FCR stops a sequence once it has received its group's limit of tokens; the Steps in
+    flight by then (up to steps_in_flight, the one planned last included) add tokens past
+    the limit, so the KV reservation must hold more than steps_in_flight tokens past it."""
+    cfg = ServingConfig(scheduling_policy="length-batched", steps_in_flight=in_flight)
+    s = seq(1, 40)
+    p = make_policy(cfg)
+    p.admit(queue(s), room())
+    assert s.reserve_new_tokens == 50 + margin and margin > in_flight
+    aware = make_policy(ServingConfig(scheduling_policy="length-aware",
+                                      steps_in_flight=in_flight))
+    assert aware.margin == margin
+    with pytest.raises(ValueError, match="steps_in_flight must be >= 1"):
+        grow_margin(0)
 
 
 def test_prediction_error_and_accuracy_metrics():

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from scheduler_service.admission import AdmissionPolicy, FCFSAdmission
-from scheduler_service.policies.length_aware import LengthAwareAdmission
+from scheduler_service.policies.length_aware import LengthAwareAdmission, grow_margin
 from scheduler_service.policies.length_batched import LengthBatchedAdmission
 from scheduler_service.policies.length_predictor import LengthPredictor, PredictorConfig
 from scheduler_service.policies.mlfq import MLFQAdmission, MLFQConfig
@@ -43,13 +43,16 @@ def make_policy(cfg: ServingConfig, predictor: LengthPredictor | None = None
     if name in ("length-aware", "length-batched"):
         predictor = predictor or LengthPredictor(
             PredictorConfig(bucket_tokens=cfg.length_bucket_tokens))
+        # The reservations' margin covers the tokens of the loop's Steps in flight.
+        margin = grow_margin(cfg.steps_in_flight)
         if name == "length-batched":
-            return LengthBatchedAdmission(predictor)
+            return LengthBatchedAdmission(predictor, margin)
         use = cfg.length_predictor
         if use not in LENGTH_PREDICTORS:
             raise ValueError(f"option.length_predictor {use!r} is unknown; choose one of "
                              f"{', '.join(LENGTH_PREDICTORS)}")
         return LengthAwareAdmission(predictor, cfg.priority_aging_steps,
-                                    use_prompt=use != "hidden", use_hidden=use != "prompt")
+                                    use_prompt=use != "hidden", use_hidden=use != "prompt",
+                                    margin=margin)
     raise ValueError(f"option.scheduling_policy {name!r} is unknown; choose one of "
                      f"{', '.join(SCHEDULING_POLICIES)}")

@@ -8,11 +8,11 @@ arrival. It never preempts to admit.
 
 (b) A request reserves prompt + its predicted length rounded up to a bucket, not prompt +
 max_new_tokens, so more requests share the KV budget (S3's idea). When a running
-sequence comes within `GROW_MARGIN` tokens of its reservation, its reservation grows by
+sequence comes within `margin` tokens of its reservation, its reservation grows by
 one bucket (capped at max_new_tokens) if the budget has room; where it has none, the
 latest arrived of the outgrowing sequences are preempted (recompute, as in ranked.py)
-until the earlier ones fit, and wait with their grown reservation. The margin covers the
-tokens that may be in flight (steps_in_flight) before the next plan.
+until the earlier ones fit, and wait with their grown reservation. The margin
+(`grow_margin`) covers the tokens that Steps in flight may add before a plan sees them.
 
 Two predictors (`length_predictor`): before prefill only the prompt's ids exist, so
 admission order and the first reservation come from the scheduler's prompt-id predictor
@@ -34,14 +34,25 @@ from scheduler_service.policies.length_predictor import LengthPredictor, prefix_
 from scheduler_service.policies.ranked import RankedAdmission
 from scheduler_service.sequence import FinishReason, Sequence
 
-GROW_MARGIN = 8
+GROW_MARGIN = 8  # the least margin, in tokens; more where more Steps fly (grow_margin)
+
+
+def grow_margin(steps_in_flight: int) -> int:
+    """Tokens a reservation keeps beyond what its sequence holds: more than the Steps in
+    flight can add before a plan sees their tokens (at most steps_in_flight - 1 planned and
+    unanswered, and the one planned now), and at least GROW_MARGIN."""
+    if steps_in_flight < 1:
+        raise ValueError(f"steps_in_flight must be >= 1, got {steps_in_flight}")
+    return max(GROW_MARGIN, steps_in_flight + 1)
 _LEARN_FROM = (FinishReason.EOS, FinishReason.STOP, FinishReason.LENGTH)
 
 
 class LengthAwareAdmission(RankedAdmission):
     def __init__(self, predictor: LengthPredictor, aging_steps: int,
-                 use_prompt: bool = True, use_hidden: bool = True):
+                 use_prompt: bool = True, use_hidden: bool = True,
+                 margin: int = GROW_MARGIN):
         self.predictor = predictor
+        self.margin = margin  # grow_margin(steps_in_flight) of the loop it admits for
         self.aging_steps = aging_steps
         self.use_prompt = use_prompt
         self.use_hidden = use_hidden
@@ -137,7 +148,7 @@ class LengthAwareAdmission(RankedAdmission):
             if seq.predicted_tokens == hidden:
                 continue  # taken already
             # Never below what it holds and may have in flight before the next plan.
-            floor = seq.generated + seq.in_flight + GROW_MARGIN + 1
+            floor = seq.generated + seq.in_flight + self.margin + 1
             new = min(seq.params.max_new_tokens, self.predictor.bucket(max(hidden, floor)))
             extra = (new - limit) * seq.rows
             if extra > free - change:
@@ -150,7 +161,7 @@ class LengthAwareAdmission(RankedAdmission):
     def _outgrows(self, seq: Sequence) -> bool:
         limit = seq.reserve_new_tokens
         return (limit is not None and limit < seq.params.max_new_tokens
-                and seq.generated + seq.in_flight + GROW_MARGIN >= limit)
+                and seq.generated + seq.in_flight + self.margin >= limit)
 
     def _extra(self, seq: Sequence) -> int:
         """KV tokens one more bucket adds to its reservation (up to max_new_tokens)."""

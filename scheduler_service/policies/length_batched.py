@@ -15,15 +15,15 @@ batch job; an online mix belongs under `length-aware`, which ages.
 VBS (Sec. 4, "Variable Batch Size"; the released code's `len_bs_dict` halves the batch as
 the limit grows by 50 tokens). The paper sizes a batch so its tokens fit the memory: batch
 size x length about constant, so short groups run in larger batches. Here every admitted
-request reserves prompt + its group's limit (+ GROW_MARGIN) of the worker's KV token budget
+request reserves prompt + its group's limit (+ the margin) of the worker's KV token budget
 (not prompt + max_new_tokens, what FCFS reserves), so a group of limit L runs about
-budget / (prompt + L + GROW_MARGIN) requests at once, within max_rolling_batch_size:
+budget / (prompt + L + margin) requests at once, within max_rolling_batch_size:
 `vbs_batch_size`.
 
 FCR (Sec. 4, "Failure Collection and Recomputation"). A sequence that has its group's limit
 of tokens without having ended is stopped there by preemption by recompute (its KV
-reservation holds GROW_MARGIN more tokens, for those Steps already in flight add past the
-limit; they are dropped), then collected, and waits behind every request that has not
+reservation holds `margin` more tokens, for those Steps already in flight add past the
+limit, length_aware.grow_margin; they are dropped), then collected, and waits behind every request that has not
 failed, with its reservation grown to max_new_tokens; the failures then run as a group of
 their own. The paper regenerates a failure from the start; here its re-admission prefills
 the prompt and the tokens it already produced (preemption.py), which keeps the output
@@ -42,14 +42,14 @@ FAILED_RANK = 1 << 40  # after every group: the collected failures run last
 
 def vbs_batch_size(reserve: int, prompt_tokens: int, kv_tokens: int, max_batch: int) -> int:
     """Requests of one group (each reserving `reserve` new tokens: the group's limit and
-    GROW_MARGIN; prompts of `prompt_tokens`) that fit a KV budget of `kv_tokens` at once,
+    margin; prompts of `prompt_tokens`) that fit a KV budget of `kv_tokens` at once,
     within `max_batch` slots (at least one)."""
     return max(1, min(max_batch, kv_tokens // max(1, prompt_tokens + reserve)))
 
 
 class LengthBatchedAdmission(LengthAwareAdmission):
-    def __init__(self, predictor: LengthPredictor):
-        super().__init__(predictor, aging_steps=1 << 62)
+    def __init__(self, predictor: LengthPredictor, margin: int = GROW_MARGIN):
+        super().__init__(predictor, aging_steps=1 << 62, margin=margin)
         self.failed: set[int] = set()  # seq ids stopped by FCR, until they finish
         self.failures = 0
 
@@ -66,7 +66,7 @@ class LengthBatchedAdmission(LengthAwareAdmission):
             super()._predict(seq)
         # The limit, and the tokens Steps in flight may add past it before FCR stops it.
         seq.reserve_new_tokens = min(seq.params.max_new_tokens,
-                                     self._limit(seq) + GROW_MARGIN)
+                                     self._limit(seq) + self.margin)
 
     def _rank(self, seq: Sequence, waiting: WaitingQueue) -> int:
         self._predict(seq)
