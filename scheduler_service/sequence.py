@@ -107,6 +107,12 @@ class Sequence:
     eos_after_tokens: int | None = None
     # The worker's prediction from the prompt's hidden state, with the first token.
     hidden_predicted_tokens: int | None = None
+    # Kept on the request, not in a policy, because a request may move to another
+    # worker's loop and policy (data parallel): stopped by FCR at its group's limit
+    # (length-batched: it is not stopped or counted again), and learned from by the
+    # shared length predictor (a policy that also admitted it does not learn it again).
+    fcr_failed: bool = False
+    length_learned: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -113,6 +113,34 @@ def test_fcr_failure_is_counted_once_and_never_stopped_again():
     assert p.failures == 1 and p._grown == 200 - (50 + GROW_MARGIN)  # once, to max_new
 
 
+def test_a_failure_moved_to_another_workers_loop_is_not_stopped_or_learned_twice():
+    """Data parallel: one policy per worker's loop, one shared predictor. A failure that
+    waits when its worker drains or dies moves to another loop (worker_pool.py); that
+    loop's policy must still run it last, not stop it again at its limit (a second count
+    and a wasted recompute), and the predictor must learn its length once."""
+    predictor = LengthPredictor(PredictorConfig(bucket_tokens=BUCKET))
+    a, b = LengthBatchedAdmission(predictor), LengthBatchedAdmission(predictor)
+    s = seq(1, 10, max_new=200)  # its group's limit: 50
+    a.admit(queue(s), room())
+    s.status = Status.RUNNING
+    s.output_ids = [7] * 50
+    assert a.preempt(queue(), [s], room()) == [s] and a.failures == 1
+    s.status = Status.WAITING
+    fresh = seq(2, 40, max_new=200)
+    q = queue(fresh, s)  # moved: the other loop adopts it ahead of its own queue
+    q.push_front([q.pop()])
+    assert ids(b.order(q)) == [2, 1]  # still collected behind the groups to run
+    assert ids(b.admit(q, room())) == [2, 1]
+    s.status = Status.RUNNING
+    s.output_ids = [7] * 120
+    assert b.preempt(queue(), [s], room()) == [] and a.failures + b.failures == 1
+    s.status, s.finish_reason = Status.FINISHED, FinishReason.EOS
+    learned = predictor.learned
+    a._learn()
+    b._learn()
+    assert predictor.learned == learned + 1
+
+
 def test_without_a_hint_the_shared_predictor_decides():
     p = policy()
     for _ in range(3):

@@ -87,7 +87,8 @@ class LengthAwareAdmission(RankedAdmission):
             if not seq.finished:
                 continue
             del self._tracked[sid]
-            if seq.finish_reason in _LEARN_FROM:
+            if seq.finish_reason in _LEARN_FROM and not seq.length_learned:
+                seq.length_learned = True
                 keys = prefix_keys(seq.prompt_ids, self.predictor.cfg.block_tokens)
                 self.predictor.learn(len(seq.prompt_ids), keys, seq.generated)
 

@@ -50,8 +50,7 @@ def vbs_batch_size(reserve: int, prompt_tokens: int, kv_tokens: int, max_batch: 
 class LengthBatchedAdmission(LengthAwareAdmission):
     def __init__(self, predictor: LengthPredictor, margin: int = GROW_MARGIN):
         super().__init__(predictor, aging_steps=1 << 62, margin=margin)
-        self.failed: set[int] = set()  # seq ids stopped by FCR, until they finish
-        self.failures = 0
+        self.failures = 0  # FCR stops by this policy (Sequence.fcr_failed marks each once)
 
     def _limit(self, seq: Sequence) -> int:
         """Its group's limit: the predicted length rounded up to a bucket."""
@@ -70,7 +69,7 @@ class LengthBatchedAdmission(LengthAwareAdmission):
 
     def _rank(self, seq: Sequence, waiting: WaitingQueue) -> int:
         self._predict(seq)
-        if seq.seq_id in self.failed:
+        if seq.fcr_failed:
             return FAILED_RANK
         return self.predictor.bucket(seq.predicted_tokens) // self.predictor.cfg.bucket_tokens
 
@@ -83,7 +82,7 @@ class LengthBatchedAdmission(LengthAwareAdmission):
             grown = seq.params.max_new_tokens - seq.reserve_new_tokens
             self._grown += grown * seq.rows  # the loop hands back the old reservation only
             seq.reserve_new_tokens = seq.params.max_new_tokens
-            self.failed.add(seq.seq_id)  # once: it now reserves max_new_tokens
+            seq.fcr_failed = True  # once, on any worker: it now reserves max_new_tokens
             self.failures += 1
         return victims
 
@@ -92,9 +91,5 @@ class LengthBatchedAdmission(LengthAwareAdmission):
         sequences that may go on): a failure. Tokens of it already in flight past the
         limit are dropped and drawn again at its recompute."""
         limit = self._limit(seq)
-        return (seq.seq_id not in self.failed and limit < seq.params.max_new_tokens
+        return (not seq.fcr_failed and limit < seq.params.max_new_tokens
                 and seq.generated >= limit)
-
-    def _learn(self) -> None:
-        super()._learn()
-        self.failed.intersection_update(self._tracked)
