@@ -28,7 +28,7 @@ from scheduler_service.http_server import (
     SHUTDOWN_TIMEOUT_S,
     AppServer,
 )
-from scheduler_service.params import RequestError
+from scheduler_service.params import TOKEN_COUNTS, RequestError, check_token_count
 from scheduler_service.sequence import FinishEvent, FinishReason, Sequence, TokenEvent
 
 logger = logging.getLogger(__name__)
@@ -137,8 +137,11 @@ class InvocationsApp:
             return _error(400, f"request_id must be a string, got {type(rid).__name__}")
         try:
             priority = body.get("priority")
+            counts = {k: check_token_count(k, params.get(k)) for k in TOKEN_COUNTS}
+            params = {k: v for k, v in params.items() if k not in TOKEN_COUNTS}
             seqs = await self.frontend.submit(GenerationRequest(
-                batch, params, cached, rid, priority=0 if priority is None else priority))
+                batch, params, cached, rid, priority=0 if priority is None else priority,
+                **counts))
         except Unavailable as exc:
             return _error(503, str(exc))
         except RequestError as exc:

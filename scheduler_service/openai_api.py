@@ -230,7 +230,8 @@ class OpenAIApp:
         rid = uuid.uuid4().hex
         try:
             return rid, await self.frontend.submit(
-                GenerationRequest(prompts, params, cached_prompt, rid, req.n, req.priority))
+                GenerationRequest(prompts, params, cached_prompt, rid, req.n, req.priority,
+                                  req.length_hint, req.eos_after_tokens))
         except Unavailable as exc:
             raise ApiError(503, str(exc)) from None
         except QueueFull as exc:
@@ -364,7 +365,7 @@ def _request_error(exc: RequestError, limit_field: str, prompt_field: str) -> Ap
     known = {limit_field, "temperature", "top_p", "top_k", "typical_p", "repetition_penalty",
              "seed", "stop", "ignore_eos", "penalty_alpha", "decoding_strategy", "logprobs",
              "n", "cached_prompt", "num_beams", "length_penalty", "early_stopping",
-             "priority"}
+             "priority", "length_hint", "eos_after_tokens"}
     if "plus max_new_tokens" in str(exc):  # prompt and limit together do not fit
         param = limit_field
     elif first in known:

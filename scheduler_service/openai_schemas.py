@@ -22,7 +22,7 @@ from scheduler_service.params import MAX_LOGPROBS
 # with `extra_body`).
 SEQSERVE_EXTRAS = ("top_k", "penalty_alpha", "decoding_strategy", "repetition_penalty",
                    "ignore_eos", "typical_p", "num_beams", "length_penalty", "early_stopping",
-                   "priority")
+                   "priority", "length_hint", "eos_after_tokens")
 ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -122,6 +122,11 @@ class _Common(_Strict):
     early_stopping: bool | str | None = None
     # vLLM's extra parameter: lower is more urgent (option.scheduling_policy=priority).
     priority: int = 0
+    # As generate.proto's 14 and 15 (params.TOKEN_COUNTS): the expected output length
+    # (policy length-batched), and, for benchmarks, an end as by EOS after that many
+    # tokens; the front end refuses a value < 1.
+    length_hint: int | None = None
+    eos_after_tokens: int | None = None
 
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod

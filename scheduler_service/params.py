@@ -247,6 +247,27 @@ def _beams(p: Mapping[str, Any], strategy: DecodingStrategy
                       "early_stopping": EARLY_STOPPING[early], "num_return_sequences": n}
 
 
+# Request fields beside the decoding parameters that count tokens: `length_hint` (policy
+# length-batched's prediction, generate.proto 14) and `eos_after_tokens` (benchmarks: end
+# as by EOS after that many tokens, generate.proto 15). /invocations takes them in
+# `parameters` and hands them to the front end apart from the decoding parameters.
+TOKEN_COUNTS = ("length_hint", "eos_after_tokens")
+
+
+def check_token_count(name: str, value: Any) -> int | None:
+    """A token-count field (TOKEN_COUNTS) of a JSON body: None when left out, else an
+    integer >= 1, or RequestError naming the field (the front end's rule for gRPC)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        if not (isinstance(value, float) and value.is_integer()):
+            raise RequestError(f"{name} must be an integer >= 1 when given, got {value!r}")
+        value = int(value)
+    if value < 1:
+        raise RequestError(f"{name} must be >= 1 when given, got {value}")
+    return value
+
+
 def check_text(name: str, text: str, required: bool) -> None:
     """Prompt text rules: non-empty when required, no NUL characters, no lone surrogates."""
     if required and not text:

@@ -48,3 +48,38 @@ def test_fcr_failure_is_recomputed_token_identical(llama_dir, deploy):
         assert len(out) == MAX_NEW
         assert reference.same_until_eos(out, reference.greedy(llama_dir, prompt, MAX_NEW),
                                         tokenizer.eos_token_id)
+
+
+# Slow for the same reason: one more deployment.
+@pytest.mark.slow
+def test_http_and_openai_take_the_length_hint_and_the_eos_position(llama_dir, deploy):
+    """/invocations (in `parameters`) and the OpenAI endpoints (extra body fields) take
+    generate.proto's length_hint and eos_after_tokens: the response ends as by EOS where
+    told, the hint is the policy's prediction (its error is the hint's distance from the
+    real length), and bad values are refused naming the field."""
+    from tests.test_priority import _post
+
+    d = deploy(llama_dir, scheduling_policy="length-batched", length_bucket_tokens=8)
+    url, completions = d.http_url + "/invocations", d.openai_url + "/completions"
+    status, body = _post(url, {"inputs": "hello", "parameters": {
+        "max_new_tokens": 8, "ignore_eos": True, "length_hint": 6, "eos_after_tokens": 3}})
+    assert status == 200, body
+    assert (body["details"]["finish_reason"], body["details"]["generated_tokens"]) == ("eos", 3)
+    status, body = _post(completions, {"prompt": "hello", "max_tokens": 8, "ignore_eos": True,
+                                       "length_hint": 7, "eos_after_tokens": 4})
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == 4 and body["choices"][0]["finish_reason"] == "stop"
+    m = scrape(d.metrics_url)
+    assert m["seqserve_length_predictions_total"] == 2
+    assert m["seqserve_length_prediction_error_tokens_total"] == (6 - 3) + (7 - 4)
+
+    for params, message in (({"eos_after_tokens": 0}, "eos_after_tokens must be >= 1"),
+                            ({"length_hint": "long"}, "length_hint must be an integer >= 1")):
+        status, body = _post(url, {"inputs": "hello", "parameters": params})
+        assert status == 400 and message in body["error"], body
+    for extra, message in (({"length_hint": 0}, "length_hint must be >= 1"),
+                           ({"num_beams": 2, "eos_after_tokens": 2},
+                            "eos_after_tokens does not work with beam search")):
+        status, body = _post(completions, {"prompt": "hello", "max_tokens": 4, **extra})
+        assert status == 400 and message in body["error"]["message"], body
+        assert body["error"]["param"] == next(k for k in extra if k != "num_beams")

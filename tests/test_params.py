@@ -54,3 +54,38 @@ def test_text_rules():
     with pytest.raises(RequestError, match="UTF-8"):
         check_text("inputs", "\ud800", required=True)
     check_text("cached_prompt", "", required=False)
+
+
+@pytest.mark.parametrize("name", ["length_hint", "eos_after_tokens"])
+def test_token_counts_of_a_json_body(name):
+    """/invocations' length_hint and eos_after_tokens (in `parameters`): integers >= 1,
+    left out as None; anything else is refused naming the field, as gRPC's are."""
+    from scheduler_service.params import TOKEN_COUNTS, check_token_count
+
+    assert name in TOKEN_COUNTS
+    assert check_token_count(name, None) is None
+    assert check_token_count(name, 5) == 5 and check_token_count(name, 5.0) == 5
+    for bad, message in ((0, ">= 1 when given, got 0"), (-3, ">= 1 when given, got -3"),
+                         ("5", "an integer >= 1 when given, got '5'"),
+                         (True, "an integer >= 1 when given, got True"),
+                         (2.5, "an integer >= 1 when given, got 2.5")):
+        with pytest.raises(RequestError, match=f"^{name} must be {message}"):
+            check_token_count(name, bad)
+
+
+def test_openai_bodies_take_the_token_counts_as_extra_fields():
+    from scheduler_service.openai_schemas import (SEQSERVE_EXTRAS, ApiError,
+                                                  ChatCompletionRequest, CompletionRequest,
+                                                  parse)
+
+    assert {"length_hint", "eos_after_tokens"} <= set(SEQSERVE_EXTRAS)
+    req = parse(CompletionRequest, b'{"prompt": "hi", "length_hint": 40, '
+                                   b'"eos_after_tokens": 3}')
+    assert (req.length_hint, req.eos_after_tokens) == (40, 3)
+    chat = parse(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "hi"}]}')
+    assert (chat.length_hint, chat.eos_after_tokens) == (None, None)
+    for raw in (b'{"prompt": "hi", "length_hint": "40"}', b'{"prompt": "hi", '
+                                                          b'"eos_after_tokens": 2.5}'):
+        with pytest.raises(ApiError) as err:
+            parse(CompletionRequest, raw)
+        assert err.value.param in ("length_hint", "eos_after_tokens")
