@@ -283,3 +283,44 @@ def test_fcfs_pays_the_prompts_begun_first():
     steps, _, _ = first_token_steps_behind_a_long_prompt(None, in_flight=1, slots=3,
                                                          urgent_prompt=5)
     assert steps >= 8
+
+
+@pytest.mark.timeout(30)  # a broken loop may spin without yielding to wait_for
+@pytest.mark.parametrize("name", ["priority", "mlfq"])
+def test_random_priorities_under_a_small_step_budget_all_finish_unchanged(name):
+    """Prompts of 5-300 tokens with random priorities arriving while others run, a 65-token
+    Step budget (chunks in the policy's order, preemptions): every request ends, each
+    output as if alone, and the fake worker (which refuses a Step that breaks its rules)
+    never fails."""
+    import random
+
+    rng = random.Random(5)
+    policy = (PriorityAdmission(aging_steps=16) if name == "priority" else
+              MLFQAdmission(MLFQConfig(base_quantum=2, prefill_tokens_per_step=64)))
+    worker, metrics = Worker(), SchedulerMetrics()
+
+    async def run():
+        loop = IterationLoop(worker, max_rolling_batch_size=3, max_queue=32, max_sparsity=0.3,
+                             max_splits=2, worker_timeout=5, metrics=metrics,
+                             max_num_batched_tokens=65, steps_in_flight=2, policy=policy)
+        task = asyncio.create_task(loop.run())
+        seqs = []
+        for _ in range(12):
+            s = request(loop, rng.choice([5, 40, 130, 300]), rng.randint(4, 40),
+                        priority=rng.randint(-3, 3))
+            seqs.append(s)
+            loop.submit(s)
+            for _ in range(rng.randint(0, 10)):
+                await asyncio.sleep(0)
+        for s in seqs:
+            while not s.finished:
+                await asyncio.sleep(0.001)
+        loop.stop()
+        await task
+        return seqs
+
+    seqs = asyncio.run(asyncio.wait_for(run(), 30))
+    for s in seqs:
+        assert s.finish_reason is not None and s.finish_reason.value == "length"
+        assert s.output_ids == [token(s.prompt_ids, i) for i in range(s.params.max_new_tokens)]
+    assert not worker.live and metrics.preemptions._value.get() >= 1
