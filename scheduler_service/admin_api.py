@@ -60,20 +60,21 @@ class AdminServicer(admin_pb2_grpc.WorkerAdminServicer):
 
 
 class AdminTokenInterceptor(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED for a WorkerAdmin call without the control-plane token; every other
-    service of the port passes untouched."""
+    """UNAUTHENTICATED for a call to one of `services` (WorkerAdmin by default) without the
+    control-plane token; every other service of the port passes untouched."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, services: tuple[str, ...] = (SERVICE_NAME,)):
         if not token:
             raise ValueError("empty control-plane token")
         self._token = token.encode()
+        self._prefixes = tuple(f"/{name}/" for name in services)
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/"):
+        if handler is None or not details.method.startswith(self._prefixes):
             return handler
         given = next((v for k, v in details.invocation_metadata or () if k == METADATA_KEY), "")
         if isinstance(given, str) and hmac.compare_digest(given.encode(), self._token):
@@ -82,10 +83,16 @@ class AdminTokenInterceptor(grpc.aio.ServerInterceptor):
         async def refuse(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSED)
 
-        # Every WorkerAdmin method is unary.
-        return grpc.unary_unary_rpc_method_handler(
-            refuse, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
+        async def refuse_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSED)
+            yield  # an async generator, as a response-streaming handler is
+
+        # The guarded methods take one request; they answer one message or a stream.
+        make = (grpc.unary_stream_rpc_method_handler if handler.response_streaming
+                else grpc.unary_unary_rpc_method_handler)
+        return make(refuse_stream if handler.response_streaming else refuse,
+                    request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
 
 
 def add_to_server(pool: WorkerPool, server: grpc.aio.Server) -> None:

@@ -13,17 +13,16 @@ import asyncio
 import contextlib
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Callable, Mapping, Protocol
 
 from scheduler_service.admission import QueueFull
 from scheduler_service.detokenizer import IncrementalDetokenizer, StopMatcher
-from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.params import Limits, RequestError, check_text, resolve
 from scheduler_service.policies.priority import check_priority
-from scheduler_service.sequence import FinishEvent, FinishReason, Sequence, TokenEvent
+from scheduler_service.sequence import FinishEvent, Sequence, TokenEvent
 from scheduler_service.worker_client import WorkerInfo
-from scheduler_service.worker_pool import WorkerPool
 from seqserve_common.config import ServingConfig
+from seqserve_common.decoding import DecodingStrategy
 
 # No tokenizer packs more characters than this into one token: a longer prompt cannot fit
 # the context, and is refused before tokenizing megabytes costs seconds of CPU.
@@ -71,20 +70,51 @@ class GenerationRequest:
     eos_after_tokens: int | None = None
 
 
+class Core(Protocol):
+    """The queues and workers behind a front end: the worker pool in this process
+    (worker_pool.WorkerPool), or a core process (remote_core.RemoteCore)."""
+
+    ready: bool
+    kv_budget: int
+    eos_ids: frozenset[int]
+
+    def new_seq_id(self) -> int: ...
+
+    def check_room(self, n: int) -> None:
+        """Raise QueueFull when `n` more requests would not fit the waiting queues."""
+
+    async def submit_all(self, seqs: list[Sequence]) -> None:
+        """Queue every sequence or none (raises QueueFull, or Unavailable)."""
+
+    def cancel(self, seq: Sequence) -> None: ...
+
+
 @dataclass(frozen=True)
 class ServingState:
     """What serving needs once a worker is connected."""
 
-    workers: WorkerPool
+    workers: Core
     tokenizer: Any  # a transformers tokenizer
     limits: Limits
     worker: WorkerInfo
     config: ServingConfig
 
 
+def make_serving_state(core: Core, tokenizer: Any, info: WorkerInfo, cfg: ServingConfig
+                       ) -> ServingState:
+    """The state to serve with once `core` has a worker that answered `info`."""
+    limits = Limits(vocab_size=info.vocab_size,
+                    max_position_embeddings=info.max_position_embeddings,
+                    max_new_tokens_limit=cfg.max_new_tokens_limit,
+                    default_max_new_tokens=cfg.default_max_new_tokens,
+                    default_strategy=DecodingStrategy(cfg.decoding_strategy))
+    return ServingState(core, tokenizer, limits, info, cfg)
+
+
 class Frontend:
-    def __init__(self, metrics: SchedulerMetrics):
-        self.metrics = metrics
+    def __init__(self, count_refusal: Callable[[str], None]):
+        """`count_refusal(code)`: count a refused request (seqserve_requests_failed_total)."""
+        self.count_refusal = count_refusal
         self.state: ServingState | None = None
         self.draining = False
 
@@ -133,23 +163,15 @@ class Frontend:
                 seqs.append(first)
                 for choice in range(1, request.n):
                     seqs.append(self._another_choice(state, first, choice, f"{rid}-{len(seqs)}"))
-            queued = []
-            try:
-                for seq in seqs:
-                    state.workers.submit(seq)
-                    queued.append(seq)
-            except QueueFull:
-                for seq in queued:
-                    state.workers.cancel(seq)
-                raise
+            await state.workers.submit_all(seqs)
         except RequestError:
-            self.metrics.requests_failed.labels("INVALID_ARGUMENT").inc()
+            self.count_refusal("INVALID_ARGUMENT")
             raise
         except QueueFull:
-            self.metrics.requests_failed.labels("RESOURCE_EXHAUSTED").inc()
+            self.count_refusal("RESOURCE_EXHAUSTED")
             raise
         except Unavailable:
-            self.metrics.requests_failed.labels("UNAVAILABLE").inc()
+            self.count_refusal("UNAVAILABLE")
             raise
         return seqs
 
@@ -171,10 +193,7 @@ class Frontend:
         try:
             while True:
                 batch = take_pending(seq.events, await seq.events.get(), limit)
-                if isinstance(batch[-1], FinishEvent):
-                    done = True
-                    if batch[-1].reason == FinishReason.ERROR:
-                        self.metrics.requests_failed.labels("UNAVAILABLE").inc()
+                done = isinstance(batch[-1], FinishEvent)
                 yield batch
                 if done:
                     return

@@ -65,8 +65,10 @@ class AppServer:
         self.runner: web.AppRunner | None = None
         quiet_aiohttp_server_logs()
 
-    async def start(self, host: str, port: int, ssl_context=None) -> int:
-        """Listen (HTTPS when `ssl_context` is given); returns the bound port."""
+    async def start(self, host: str, port: int, ssl_context=None, reuse_port: bool = False
+                    ) -> int:
+        """Listen (HTTPS when `ssl_context` is given); returns the bound port. `reuse_port`:
+        share it with sibling processes (SO_REUSEPORT; the kernel spreads connections)."""
         # handler_cancellation: a client that disconnects cancels its handler, which closes
         # the events of its sequences and so cancels them, instead of generating to
         # max_new_tokens for nobody.
@@ -75,7 +77,8 @@ class AppServer:
                                     lingering_time=LINGERING_TIME_S,
                                     shutdown_timeout=self.shutdown_timeout)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port, ssl_context=ssl_context)
+        site = web.TCPSite(self.runner, host, port, ssl_context=ssl_context,
+                           reuse_port=reuse_port or None)
         await site.start()
         return site._server.sockets[0].getsockname()[1]
 

@@ -22,7 +22,7 @@ from scheduler_service.admission import AdmissionPolicy, Budget, FCFSAdmission, 
 from scheduler_service.batch_plan import BatchPlanner, StepPlan
 from scheduler_service.chunking import Chunk, StepBudget
 from scheduler_service.metrics import SchedulerMetrics
-from scheduler_service.output import emit_beams, emit_finish, emit_token
+from scheduler_service.output import LOCAL
 from scheduler_service.preemption import preempt
 from scheduler_service.recovery import recover
 from scheduler_service.sequence import FinishReason, Sequence, Status
@@ -122,13 +122,14 @@ class IterationLoop:
         return (sum(s.reserved_tokens for s in self.running.values())
                 + sum(s.reserved_tokens for s in self.waiting))
 
-    def cancel(self, seq: Sequence) -> None:
-        """The client went away: drop the request now; its KV is released next step."""
+    def cancel(self, seq: Sequence, reason: FinishReason = FinishReason.CANCELLED) -> None:
+        """The client went away (or, for a front-end process, a stop string matched: reason
+        STOP): drop the request now; its KV is released next step."""
         if seq.finished:
             return
         if self.waiting.remove(seq):
             self.metrics.set_waiting(self.name, len(self.waiting))
-        self._finish(seq, FinishReason.CANCELLED, emit=False)
+        self._finish(seq, reason, emit=False)
         self._wakeup.set()
 
     def idle(self) -> bool:
@@ -320,17 +321,16 @@ class IterationLoop:
         if tok.beam_running:
             seq.beam_steps += 1  # a beam search advanced; its tokens come when it ends
             return
-        if tok.beams:
-            reason = emit_beams(seq, tok, self.eos_ids)
-        else:
-            reason = emit_token(seq, tok, self.eos_ids)
+        reason = (seq.sink or LOCAL).token(seq, tok, self.eos_ids)
         if reason is not None:
             self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: FinishReason, emit: bool = True,
                 error: str | None = None) -> None:
         if emit:
-            reason = emit_finish(seq, reason, error)
+            reason = (seq.sink or LOCAL).finish(seq, reason, error)
+        if reason == FinishReason.ERROR:
+            self.metrics.requests_failed.labels("UNAVAILABLE").inc()
         was_running = self.running.pop(seq.seq_id, None) is not None
         self._step_failures.pop(seq.seq_id, None)
         if was_running and not seq.released:

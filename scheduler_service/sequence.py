@@ -7,6 +7,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from scheduler_service.detokenizer import IncrementalDetokenizer, StopMatcher
 from scheduler_service.params import DecodingConfig
@@ -70,8 +71,9 @@ class Sequence:
     request_id: str
     prompt_ids: list[int]
     params: DecodingConfig
-    detokenizer: IncrementalDetokenizer
-    stops: StopMatcher
+    # Text side; None in the core of a split deployment (the front end has them).
+    detokenizer: IncrementalDetokenizer | None
+    stops: StopMatcher | None
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
@@ -113,6 +115,8 @@ class Sequence:
     # shared length predictor (a policy that also admitted it does not learn it again).
     fcr_failed: bool = False
     length_learned: bool = False
+    # Where its tokens go (output.OutputSink); None: events in this process.
+    sink: Any = None
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None
     first_token_time: float | None = None

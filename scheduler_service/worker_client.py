@@ -37,6 +37,13 @@ class WorkerInfo:
     device: str
     kv_capacity_tokens: int  # KV tokens, padding included, the worker's budget holds
 
+    def to_proto(self) -> worker_pb2.InfoResponse:
+        return worker_pb2.InfoResponse(
+            model_id=self.model_id, architecture=self.architecture, vocab_size=self.vocab_size,
+            eos_token_ids=sorted(self.eos_token_ids),
+            max_position_embeddings=self.max_position_embeddings, dtype=self.dtype,
+            device=self.device, kv_capacity_tokens=self.kv_capacity_tokens)
+
     @classmethod
     def from_proto(cls, info: worker_pb2.InfoResponse) -> "WorkerInfo":
         return cls(info.model_id, info.architecture, info.vocab_size,

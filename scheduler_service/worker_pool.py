@@ -29,7 +29,7 @@ import grpc
 
 from scheduler_service.admission import check_room
 from scheduler_service.loop import IterationLoop
-from scheduler_service.sequence import Sequence
+from scheduler_service.sequence import FinishReason, Sequence
 from scheduler_service.worker_client import WorkerClient, WorkerInfo
 
 logger = logging.getLogger(__name__)
@@ -309,6 +309,12 @@ class WorkerPool:
         """Raise QueueFull unless `n` more requests fit the waiting queues together."""
         check_room(self.waiting(), n, self.max_queue)
 
+    async def submit_all(self, seqs: list[Sequence]) -> None:
+        """Queue every sequence or none (raises QueueFull)."""
+        self.check_room(len(seqs))
+        for seq in seqs:
+            self.submit(seq)
+
     def submit(self, seq: Sequence) -> None:
         self.check_room(1)
         m = self._place(seq, exclude=None)
@@ -316,10 +322,10 @@ class WorkerPool:
         m.loop.submit(seq)
         m.loop.metrics.placed.labels(m.address).inc()
 
-    def cancel(self, seq: Sequence) -> None:
+    def cancel(self, seq: Sequence, reason: FinishReason = FinishReason.CANCELLED) -> None:
         for m in self.members:
             if m.address == seq.worker and m.loop is not None:
-                m.loop.cancel(seq)
+                m.loop.cancel(seq, reason)
                 return
 
     # --- placement -------------------------------------------------------------------

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Callable
 
 from seqserve_common.config import _BY_KEY, OPTIONS, ConfigError, ServingConfig, load_config
 
@@ -30,12 +31,16 @@ def config_from_args(args: argparse.Namespace) -> ServingConfig:
     return load_config(path, overrides=overrides)
 
 
-def process_arguments(prog: str, description: str | None, argv: list[str] | None
+def process_arguments(prog: str, description: str | None, argv: list[str] | None,
+                      extra: Callable[[argparse.ArgumentParser], object] | None = None
                       ) -> tuple[argparse.ArgumentParser, argparse.Namespace, ServingConfig]:
-    """The command line both processes share: options, --port-file, --log-level; sets up
-    logging and requires option.model_id. Exits with a usage error naming a bad option."""
+    """The command line both processes share: options, --port-file, --log-level, and what
+    `extra` adds; sets up logging and requires option.model_id. Exits with a usage error
+    naming a bad option."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_config_arguments(parser)
+    if extra is not None:
+        extra(parser)
     parser.add_argument("--port-file", help="write the bound ports as JSON to this file")
     parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)

@@ -137,6 +137,13 @@ OPTIONS: tuple[Option, ...] = (
            help="the model name the OpenAI-compatible API lists and accepts (besides model_id)"),
     Option("metrics_port", int, "a port in [0, 65535], or -1 to disable",
            lambda v: -1 <= v <= 65535, "scheduler Prometheus /metrics port"),
+    Option("frontend_processes", int, "an integer in [0, 64]", lambda v: 0 <= v <= 64,
+           "front-end processes that serve clients (tokenize, detokenize, stream) beside the "
+           "scheduler core, all on the same public ports; 0: the scheduler process serves "
+           "clients itself"),
+    Option("core_port", int, "a port in [0, 65535]", lambda v: 0 <= v <= 65535,
+           "loopback port of the scheduler core for its front-end processes and the worker "
+           "admin API when frontend_processes >= 1 (0: any free port)"),
     Option("worker_port", int, "a port in [0, 65535]", lambda v: 0 <= v <= 65535,
            "worker gRPC port"),
     Option("worker_metrics_port", int, "a port in [0, 65535], or -1 to disable",
@@ -252,6 +259,8 @@ class ServingConfig:
     openai_port: int = 8081
     served_model_name: str = ""
     metrics_port: int = 8001
+    frontend_processes: int = 0
+    core_port: int = 0
     worker_port: int = 8100
     worker_metrics_port: int = 8101
     worker_addresses: tuple[str, ...] = ("127.0.0.1:8100",)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PROTOS = ["seqserve/v1/generate.proto", "seqserve/worker/v1/worker.proto",
-          "seqserve/admin/v1/admin.proto"]
+          "seqserve/admin/v1/admin.proto", "seqserve/core/v1/core.proto"]
 
 
 def test_generated_code_is_in_sync(tmp_path):

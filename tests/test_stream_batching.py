@@ -12,7 +12,6 @@ from seqserve.v1 import generate_pb2
 from client.api import response_tokens, to_chunk, to_chunks
 from scheduler_service.frontend import Frontend, take_pending
 from scheduler_service.grpc_api import token_response
-from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.sequence import FinishEvent, FinishReason, TokenEvent
 
 EVENTS = [TokenEvent(5, "Hel"),
@@ -58,7 +57,7 @@ def test_one_token_goes_in_the_token_field_as_before() -> None:
 
 def _frontend() -> tuple[Frontend, list]:
     cancelled: list = []
-    frontend = Frontend(SchedulerMetrics())
+    frontend = Frontend(lambda code: None)
     frontend.state = SimpleNamespace(workers=SimpleNamespace(cancel=cancelled.append))
     return frontend, cancelled
 
