@@ -238,6 +238,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     sc.add_argument("--output-len", type=int, default=64, help="output tokens (64)")
     sc.add_argument("--kv-tokens", type=int, default=65536, help="fake KV capacity (65536)")
     sc.add_argument("--seed", type=int, default=0)
+    sc.add_argument("--frontend-processes", type=_ints, default=[0],
+                    help="option.frontend_processes values to run each worker count with "
+                         "(0: clients served by the scheduler process; e.g. 0,1)")
     sc.add_argument("--profile", action="store_true",
                     help="py-spy the scheduler during each measured run (logs/*/scheduler.spy)")
     sc.add_argument("--out", type=Path, default=Path("bench-results"))

@@ -91,6 +91,15 @@ def test_replies_equal_the_single_process_deployment_and_greedy_equals_generate(
         assert reply.token_ids == reference.greedy(MODEL, prompt, params["max_new_tokens"])
     assert got[len(PROMPTS)].finish_reason == "stop"
     assert got[len(PROMPTS) + 3].sequences, "beam search returned no hypotheses"
+    scored = requests[len(PROMPTS) + 1]
+    tops = []
+    for d in (single, split):
+        with Client(d.address, timeout=60) as c:
+            tops.append([[t for t, _ in ch.top_logprobs]
+                         for ch in c.stream(scored[0], **scored[1]) if ch.token_id is not None])
+    assert tops[1] == tops[0] and len(tops[1][0]) == 3
+    # The stop string ended the sequence in the front end, which cancelled it in the core.
+    assert scrape(split.metrics_url).get("seqserve_requests_finished_total{reason=stop}") == 1
     again = [asyncio.run(_all(d.address, requests[:1]))[0] for d in (single, split)]
     assert again[1] == again[0] and again[1].cached_tokens > 0  # its prompt blocks are cached
 

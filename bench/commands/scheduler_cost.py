@@ -7,7 +7,9 @@ placement spreads them by load) and records
 
 - scheduler CPU per step: the scheduler process's CPU seconds (user + system, from
   /proc) over the run / the Steps all workers ran; its share of the step time is the
-  figure that must stay under 5%;
+  figure that must stay under 5%. With --frontend-processes N >= 1 the scheduler process
+  is the core, and the front-end processes' CPU (tokenizing, detokenizing, streaming to
+  clients) is reported beside it, per output token;
 - scheduler utilization: its CPU seconds / wall seconds (one core = 100%);
 - worker idle: the share of a fake worker's time between answering a Step and taking
   up the next, i.e. the time the scheduler made it wait.
@@ -63,7 +65,13 @@ def step_counts(metrics: dict[str, float]) -> tuple[float, float, float]:
             get("seqserve_step_seconds_sum{phase=postprocess}", 0.0))
 
 
-def run_one(args, tokenizer, n_workers: int, logdir: Path) -> dict:
+def children(pid: int) -> list[int]:
+    """Child processes of `pid` (the core's front ends)."""
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+            for c in (task / "children").read_text().split()]
+
+
+def run_one(args, tokenizer, n_workers: int, frontends: int, logdir: Path) -> dict:
     eos = sorted({tokenizer.eos_token_id} - {None})
     fake = spawn("fake-workers", "bench.fake_workers",
                  ["--workers", str(n_workers), "--step-ms", str(args.step_ms),
@@ -75,7 +83,8 @@ def run_one(args, tokenizer, n_workers: int, logdir: Path) -> dict:
         addresses = ",".join(f"127.0.0.1:{p}" for p in fake.ports["grpc"])
         opts = {"model_id": args.model, "host": "127.0.0.1", "port": 0, "metrics_port": 0,
                 "http_port": -1, "openai_port": -1, "worker_addresses": addresses,
-                "max_rolling_batch_size": args.per_worker, "max_queue": 100_000}
+                "max_rolling_batch_size": args.per_worker, "max_queue": 100_000,
+                "frontend_processes": frontends}
         sched = spawn("scheduler", "scheduler_service.main", flags(opts), logdir,
                       timeout=120)
         address = f"127.0.0.1:{sched.ports['grpc']}"
@@ -90,11 +99,14 @@ def run_one(args, tokenizer, n_workers: int, logdir: Path) -> dict:
                                     "-r", "250", "-f", "raw", "-o", str(logdir / "scheduler.spy")],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
             time.sleep(1)
+        fe_pids = children(sched.proc.pid)
         before, cpu0, t0 = step_counts(scrape(metrics_url)), cpu_seconds(sched.proc.pid), \
             time.perf_counter()
+        fe0 = sum(cpu_seconds(p) for p in fe_pids)
         asyncio.run(send_requests(address, requests))
         wall = time.perf_counter() - t0
         cpu = cpu_seconds(sched.proc.pid) - cpu0
+        fe_cpu = sum(cpu_seconds(p) for p in fe_pids) - fe0
         if spy is not None:
             spy.send_signal(signal.SIGINT)
             spy.wait(30)
@@ -107,8 +119,11 @@ def run_one(args, tokenizer, n_workers: int, logdir: Path) -> dict:
     steps = after[0] - before[0]
     step_s = args.step_ms / 1000
     per_step = cpu / steps
+    tokens = len(requests) * args.output_len
     return {
-        "workers": n_workers, "requests": len(requests), "steps": steps,
+        "workers": n_workers, "frontend_processes": frontends, "frontend_cpu_s": fe_cpu,
+        "frontend_cpu_per_token_us": fe_cpu / tokens * 1e6,
+        "requests": len(requests), "steps": steps,
         "wall_s": wall, "scheduler_cpu_s": cpu,
         "scheduler_cpu_per_step_ms": per_step * 1000,
         "sequences_per_step": len(requests) * args.output_len / steps,
@@ -131,15 +146,20 @@ def markdown(result: dict) -> str:
              "", f"{a['per_worker']} requests per worker at once ({a['prompt_len']} prompt "
              f"tokens, {a['output_len']} output each), `max_rolling_batch_size` "
              f"{a['per_worker']}; load average {result['env']['load_average']} at start.",
-             "", "| workers | Steps | sequences per Step | scheduler CPU per Step ms | share of "
-             "the Step | scheduler CPU per token us | scheduler CPU / wall | Steps per worker "
-             "per s (ideal) | worker idle | output tokens/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "", "Front ends 0: clients served by the scheduler process; N: by N front-end "
+             "processes, and the scheduler columns are the core's.",
+             "", "| workers | front ends | Steps | sequences per Step | scheduler CPU per Step ms "
+             "| share of the Step | scheduler CPU per token us | front ends' CPU per token us "
+             "| scheduler CPU / wall | Steps per worker per s (ideal) | worker idle "
+             "| output tokens/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
         lines.append(
-            f"| {r['workers']} | {r['steps']:.0f} | {r['sequences_per_step']:.1f} | "
+            f"| {r['workers']} | {r['frontend_processes']} | {r['steps']:.0f} | "
+            f"{r['sequences_per_step']:.1f} | "
             f"{r['scheduler_cpu_per_step_ms']:.2f} | {r['share_of_step']:.1%} | "
-            f"{r['scheduler_cpu_per_token_us']:.0f} | {r['scheduler_utilization']:.0%} | "
+            f"{r['scheduler_cpu_per_token_us']:.0f} | {r['frontend_cpu_per_token_us']:.0f} | "
+            f"{r['scheduler_utilization']:.0%} | "
             f"{r['steps_per_worker_per_s']:.1f} ({r['ideal_steps_per_worker_per_s']:.0f}) | "
             f"{r['worker_idle_share']:.0%} | {r['output_tokens_per_s']:.0f} |")
     return "\n".join(lines)
@@ -153,18 +173,19 @@ def run(args) -> dict:
     env = environment()
     runs = []
     for n in args.workers:
-        logdir = out / "logs" / f"scheduler-cost-{n}"
-        logdir.mkdir(parents=True, exist_ok=True)
-        r = run_one(args, tokenizer, n, logdir)
-        logger.info("%d workers: %.2f ms scheduler CPU per Step (%.1f%% of %g ms), "
-                    "utilization %.0f%%, worker idle %.0f%%", n, r["scheduler_cpu_per_step_ms"],
-                    100 * r["share_of_step"], args.step_ms, 100 * r["scheduler_utilization"],
-                    100 * r["worker_idle_share"])
-        runs.append(r)
+        for fe in args.frontend_processes:  # alternated, so a change of load hits both
+            logdir = out / "logs" / f"scheduler-cost-{n}-fe{fe}"
+            logdir.mkdir(parents=True, exist_ok=True)
+            r = run_one(args, tokenizer, n, fe, logdir)
+            logger.info("%d workers, %d front ends: %.2f ms scheduler CPU per Step (%.1f%% of "
+                        "%g ms), utilization %.0f%%, worker idle %.0f%%", n, fe,
+                        r["scheduler_cpu_per_step_ms"], 100 * r["share_of_step"], args.step_ms,
+                        100 * r["scheduler_utilization"], 100 * r["worker_idle_share"])
+            runs.append(r)
     result = {"benchmark": "scheduler-cost", "command": command_line(), "env": env,
               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                        if k in ("step_ms", "per_worker", "prompt_len", "output_len", "model",
-                                "workers", "seed", "kv_tokens")},
+                                "workers", "seed", "kv_tokens", "frontend_processes")},
               "runs": runs}
     md = markdown(result)
     write(out, "scheduler-cost", result, md)
