@@ -4,13 +4,15 @@ going in, and each Step's tokens and endings coming back (core_service.py, remot
 from __future__ import annotations
 
 from seqserve.core.v1 import core_pb2
+from seqserve.worker.v1 import worker_pb2
 
 from scheduler_service.params import DecodingConfig
 from scheduler_service.sequence import FinishReason, Sequence
 from scheduler_service.worker_client import StepToken
 from seqserve_common.decoding import DecodingStrategy
 
-_EARLY_STOPPING = {False: 0, True: 1, "never": 2}  # seqserve.worker.v1.EarlyStopping
+_EARLY_STOPPING = {False: worker_pb2.EARLY_STOPPING_FALSE, True: worker_pb2.EARLY_STOPPING_TRUE,
+                   "never": worker_pb2.EARLY_STOPPING_NEVER}
 _EARLY_STOPPING_BACK = {v: k for k, v in _EARLY_STOPPING.items()}
 _REASON = {FinishReason.EOS: core_pb2.FINISH_REASON_EOS,
            FinishReason.LENGTH: core_pb2.FINISH_REASON_LENGTH,
