@@ -247,6 +247,39 @@ def test_native_prompt_attention_matches_causal_sdpa(heads, kv_heads, window, di
     assert (got.float() - want).abs().max() < 0.02
 
 
+@pytest.mark.parametrize("heads,kv_heads,window,dim", NATIVE_SHAPES)
+def test_tiled_prompt_attention_reads_only_written_slots_and_ignores_chunking(
+        heads, kv_heads, window, dim):
+    """The tiled prompt loop (prompt_attention.c, prompts of TILED_MIN_TOKENS or more):
+    150 queries after 40 held slots (several tiles and 32-slot blocks, a ragged end)
+    against float32 SDPA, with every slot past the row's last one NaN, as unfilled buffers
+    may hold; and the same queries in two chunks give the same bits (each query's
+    numbers depend on its own slots only, so chunked prefill equals a whole one)."""
+    from worker_service.kernels import native_attention
+    from worker_service.attention import build_mask
+
+    assert native_attention.tiled_kernel() is not None
+    g = torch.Generator().manual_seed(heads * dim + 7)
+    start, tokens, row = 40, 150, 1
+    keys = torch.randn(3, kv_heads, start + tokens + 45, dim, generator=g).bfloat16()
+    values = torch.randn(keys.shape, generator=g).bfloat16()
+    keys[:, :, start + tokens:] = values[:, :, start + tokens:] = float("nan")
+    query = torch.randn(tokens, heads, dim, generator=g).bfloat16()
+    got = native_attention.attend_prompt(query, keys, values, row, start, 0.3, window)
+    kv_len = start + tokens
+    mask = build_mask(torch.tensor([start]), tokens, kv_len, None, window)
+    k = keys[row:row + 1, :, :kv_len].float().repeat_interleave(heads // kv_heads, 1)
+    v = values[row:row + 1, :, :kv_len].float().repeat_interleave(heads // kv_heads, 1)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query.float().transpose(0, 1)[None], k, v, attn_mask=mask, scale=0.3)[0].transpose(0, 1)
+    assert (got.float() - want).abs().max() < 0.02
+    cut = 64 + 5  # a chunk end inside a tile and a block
+    first = native_attention.attend_prompt(query[:cut], keys, values, row, start, 0.3, window)
+    rest = native_attention.attend_prompt(query[cut:], keys, values, row, start + cut, 0.3,
+                                          window)
+    assert torch.equal(torch.cat([first, rest]), got)
+
+
 def test_float32_kv_of_a_bfloat16_model_gives_its_tokens(monkeypatch):
     """A bfloat16 model's keys and values are exact in float32, so the KV dtype and the
     decoding-attention path (batched products over float32 KV, the native loop over

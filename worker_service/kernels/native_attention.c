@@ -71,27 +71,6 @@ static void attend_one_generic(const uint16_t *qh, const uint16_t *kh, const uin
 
 #ifdef HAVE_AVX512_BF16
 
-/* exp(x) for x <= 0 (scores minus their maximum), 16 lanes: x = n ln2 + r, |r| <= ln2 / 2,
- * exp(r) by its degree-6 Taylor polynomial (relative error below 2e-7, about one float32
- * ulp), times 2^n. Lanes below -87 give 0, as expf underflows there. */
-static inline __m512 exp_le0(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f);
-    const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, lo);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x); /* ln2, high part */
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);      /* ln2, low part */
-    __m512 p = _mm512_set1_ps(1.f / 720.f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_maskz_scalef_ps(~tiny, p, n);
-}
-
 /* Sums of 16 vectors: lane j of the result is the sum of a[j]'s lanes (a transposing
  * tree of adds: 4 levels instead of 16 horizontal reductions). */
 static inline __m512 sum16(__m512 a[16]) {
