@@ -35,7 +35,7 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # A C compiler: the worker builds its bfloat16 attention and fused-layer loops at start
-# (worker_service/kernels/native_attention.c, fused_layers.c); without one it keeps bf16 KV in
+# (worker_service/kernels/native_attention.c, prompt_attention.c, fused_layers.c); without one it keeps bf16 KV in
 # float32 on CPU and runs those layers eagerly.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
