@@ -113,8 +113,16 @@ class RemoteCore:
             frontend=self.name, sequences=[core_wire.encode_sequence(s) for s in seqs])
         for seq in seqs:  # before the call: its first tokens may come before its answer
             self.seqs[seq.seq_id] = seq
+        call = asyncio.ensure_future(self._stub.Submit(request, metadata=self._metadata))
         try:
-            await self._stub.Submit(request, metadata=self._metadata)
+            await asyncio.shield(call)
+        except asyncio.CancelledError:
+            # The client went away (a deadline, a closed connection) during the call; the
+            # core may queue them still, so they are cancelled there once it answers.
+            for seq in seqs:
+                self.seqs.pop(seq.seq_id, None)
+            call.add_done_callback(lambda c: self._cancel_submitted(c, [s.seq_id for s in seqs]))
+            raise
         except grpc.aio.AioRpcError as exc:
             for seq in seqs:
                 self.seqs.pop(seq.seq_id, None)
@@ -122,6 +130,10 @@ class RemoteCore:
                 raise QueueFull(exc.details()) from None
             raise Unavailable(f"the scheduler core refused the request ({exc.code().name}: "
                               f"{exc.details()})") from None
+
+    def _cancel_submitted(self, call: asyncio.Future, ids: list[int]) -> None:
+        if not call.cancelled() and call.exception() is None:
+            self._spawn(self._cancel(ids, stopped=False))
 
     def cancel(self, seq: Sequence) -> None:
         if self.seqs.pop(seq.seq_id, None) is not None:

@@ -23,6 +23,10 @@ from transformers import AutoTokenizer
 from bench.deployment import Deployment
 from bench.metrics import scrape
 from client import AsyncClient, Client
+from scheduler_service.params import DecodingConfig
+from scheduler_service.remote_core import RemoteCore
+from scheduler_service.sequence import Sequence
+from seqserve_common.decoding import DecodingStrategy
 from tests import reference
 from tests.conftest import tiny_model
 
@@ -187,3 +191,49 @@ def test_front_ends_exit_with_the_core(tmp_path):
         while not all(_gone(p) for p in frontends):
             assert time.monotonic() < deadline, "front ends outlived their core"
             time.sleep(0.1)
+
+
+# --- RemoteCore on its own (a stub in place of the core) -----------------------------------
+
+def _seq(sid: int) -> Sequence:
+    return Sequence(seq_id=sid, request_id=str(sid), prompt_ids=[1, 2, 3],
+                    params=DecodingConfig(max_new_tokens=5, strategy=DecodingStrategy.GREEDY),
+                    detokenizer=None, stops=None)
+
+
+class _SlowCore:
+    """Answers Submit only when told; records Cancel calls."""
+
+    def __init__(self):
+        self.answer = asyncio.Event()
+        self.cancelled: list[int] = []
+
+    async def Submit(self, request, metadata=None):
+        await self.answer.wait()
+        return core_pb2.SubmitResponse()
+
+    async def Cancel(self, request, metadata=None):
+        self.cancelled += request.sequence_ids
+        return core_pb2.CancelResponse()
+
+
+def test_a_client_gone_during_submit_is_cancelled_in_the_core_once_it_answers():
+    async def go():
+        core = RemoteCore("127.0.0.1:1", "", 0, max_queue=8)
+        core._stub = stub = _SlowCore()
+        seqs = [_seq(core.new_seq_id()), _seq(core.new_seq_id())]
+        submit = asyncio.ensure_future(core.submit_all(seqs))
+        await asyncio.sleep(0.05)
+        submit.cancel()  # the client's deadline passed while the core had not answered
+        with pytest.raises(asyncio.CancelledError):
+            await submit
+        assert core.seqs == {}  # else a draining front end waits for them in vain
+        stub.answer.set()  # the core queued them after all
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if stub.cancelled:
+                break
+        assert stub.cancelled == [s.seq_id for s in seqs]
+        await core.close()
+    asyncio.run(go())
+
