@@ -105,8 +105,10 @@ class RemoteCore:
         return next(self._ids)
 
     def check_room(self, n: int) -> None:
-        """Refuse early by the queue length the core last reported; Submit decides."""
-        check_room(self._waiting, n, self.max_queue)
+        """Refuse early by the queue length the core last reported; Submit decides. That
+        length comes with this front end's own tokens only: with none of its sequences in
+        the core no message tells it the queues emptied, so it is not used then."""
+        check_room(self._waiting if self.seqs else 0, n, self.max_queue)
 
     async def submit_all(self, seqs: list[Sequence]) -> None:
         request = core_pb2.SubmitRequest(

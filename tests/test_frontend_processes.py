@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 from bench.deployment import Deployment
 from bench.metrics import scrape
 from client import AsyncClient, Client
+from scheduler_service.admission import QueueFull
 from scheduler_service.params import DecodingConfig
 from scheduler_service.remote_core import RemoteCore
 from scheduler_service.sequence import Sequence
@@ -237,3 +238,16 @@ def test_a_client_gone_during_submit_is_cancelled_in_the_core_once_it_answers():
         await core.close()
     asyncio.run(go())
 
+
+def test_a_front_end_with_no_sequences_does_not_refuse_by_a_stale_queue_length():
+    async def go():
+        core = RemoteCore("127.0.0.1:1", "", 0, max_queue=2)
+        # Its last sequence ended while others' requests filled the queues; no message
+        # comes to it after that, however soon they empty.
+        core._apply(core_pb2.StepOutputs(waiting=2))
+        core.check_room(1)
+        core.seqs[1] = _seq(1)  # while it has sequences in the core, messages keep it current
+        with pytest.raises(QueueFull):
+            core.check_room(1)
+        await core.close()
+    asyncio.run(go())
