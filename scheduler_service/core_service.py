@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
+from prometheus_client import generate_latest
 from seqserve.core.v1 import core_pb2, core_pb2_grpc
 
 from scheduler_service import admin_api
@@ -164,6 +165,9 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
                                 f"{request.code!r} is not a gRPC status code name")
         self.metrics.requests_failed.labels(request.code).inc()
         return core_pb2.RefusalResponse()
+
+    async def Metrics(self, request, context):
+        return core_pb2.MetricsResponse(text=generate_latest(self.metrics.registry))
 
 
 def add_to_server(servicer: CoreServicer, server: grpc.aio.Server) -> None:

@@ -27,7 +27,8 @@ async def serve(cfg: ServingConfig, core_address: str, index: int, port_file: st
     core = RemoteCore(core_address, token, index, cfg.max_queue)
     frontend = Frontend(core.count_refusal)
     # Siblings bind the same ports: the first front end's, passed on by the core.
-    public = await start_public(cfg, frontend, public_tls, interceptors=[], reuse_port=True)
+    public = await start_public(cfg, frontend, public_tls, interceptors=[], reuse_port=True,
+                                metrics_route=core.metrics_route())
     write_port_file(port_file, public.ports)
 
     stop = asyncio.Event()

@@ -145,6 +145,21 @@ class RemoteCore:
         self._spawn(self._stub.CountRefusal(core_pb2.RefusalRequest(code=code),
                                             metadata=self._metadata))
 
+    def metrics_route(self):
+        """An aiohttp handler serving the core's /metrics (the registry is the core's)."""
+        from aiohttp import web
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        async def handler(request: web.Request) -> web.Response:
+            try:
+                reply = await self._stub.Metrics(core_pb2.MetricsRequest(),
+                                                 metadata=self._metadata, timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                raise web.HTTPServiceUnavailable(
+                    text=f"the scheduler core did not answer ({exc.code().name})") from None
+            return web.Response(body=reply.text, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return handler
+
     async def _cancel(self, ids: list[int], stopped: bool) -> None:
         try:
             await self._stub.Cancel(core_pb2.CancelRequest(sequence_ids=ids, stopped=stopped),

@@ -11,6 +11,7 @@ import asyncio
 import os
 import signal
 import time
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
@@ -151,6 +152,13 @@ def test_a_refused_request_is_counted_by_the_core(split):
         time.sleep(0.1)
 
 
+def test_the_openai_port_serves_the_cores_metrics(split):
+    """An inference gateway's endpoint picker scrapes /metrics on the port it routes to."""
+    url = split.openai_url.removesuffix("/v1") + "/metrics"
+    body = urllib.request.urlopen(url, timeout=30).read().decode()
+    assert "seqserve_num_requests_waiting" in body and "seqserve_requests_failed_total" in body
+
+
 def test_the_core_port_refuses_calls_without_the_control_token(split):
     address = f"127.0.0.1:{split.scheduler.ports['core']}"
     with grpc.insecure_channel(address) as ch:
@@ -158,6 +166,7 @@ def test_the_core_port_refuses_calls_without_the_control_token(split):
         calls = [lambda: stub.Info(core_pb2.InfoRequest(), timeout=10),
                  lambda: stub.Submit(core_pb2.SubmitRequest(frontend="frontend-0"), timeout=10),
                  lambda: stub.Cancel(core_pb2.CancelRequest(sequence_ids=[1]), timeout=10),
+                 lambda: stub.Metrics(core_pb2.MetricsRequest(), timeout=10),
                  lambda: next(stub.Outputs(core_pb2.OutputsRequest(frontend="x"), timeout=10))]
         for call in calls:
             with pytest.raises(grpc.RpcError) as err:

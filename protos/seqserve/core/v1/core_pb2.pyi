@@ -180,3 +180,13 @@ class RefusalRequest(_message.Message):
 class RefusalResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class MetricsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MetricsResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: bytes
+    def __init__(self, text: _Optional[bytes] = ...) -> None: ...

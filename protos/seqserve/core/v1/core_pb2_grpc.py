@@ -60,6 +60,11 @@ class CoreStub:
                 request_serializer=seqserve_dot_core_dot_v1_dot_core__pb2.RefusalRequest.SerializeToString,
                 response_deserializer=seqserve_dot_core_dot_v1_dot_core__pb2.RefusalResponse.FromString,
                 _registered_method=True)
+        self.Metrics = channel.unary_unary(
+                '/seqserve.core.v1.Core/Metrics',
+                request_serializer=seqserve_dot_core_dot_v1_dot_core__pb2.MetricsRequest.SerializeToString,
+                response_deserializer=seqserve_dot_core_dot_v1_dot_core__pb2.MetricsResponse.FromString,
+                _registered_method=True)
 
 
 class CoreServicer:
@@ -104,6 +109,14 @@ class CoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Metrics(self, request, context):
+        """The core's Prometheus metrics, which a front end serves as GET /metrics on the OpenAI
+        port (an inference gateway's endpoint picker scrapes the port it routes to).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +144,11 @@ def add_CoreServicer_to_server(servicer, server):
                     servicer.CountRefusal,
                     request_deserializer=seqserve_dot_core_dot_v1_dot_core__pb2.RefusalRequest.FromString,
                     response_serializer=seqserve_dot_core_dot_v1_dot_core__pb2.RefusalResponse.SerializeToString,
+            ),
+            'Metrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.Metrics,
+                    request_deserializer=seqserve_dot_core_dot_v1_dot_core__pb2.MetricsRequest.FromString,
+                    response_serializer=seqserve_dot_core_dot_v1_dot_core__pb2.MetricsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +287,33 @@ class Core:
             '/seqserve.core.v1.Core/CountRefusal',
             seqserve_dot_core_dot_v1_dot_core__pb2.RefusalRequest.SerializeToString,
             seqserve_dot_core_dot_v1_dot_core__pb2.RefusalResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Metrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/seqserve.core.v1.Core/Metrics',
+            seqserve_dot_core_dot_v1_dot_core__pb2.MetricsRequest.SerializeToString,
+            seqserve_dot_core_dot_v1_dot_core__pb2.MetricsResponse.FromString,
             options,
             channel_credentials,
             insecure,
