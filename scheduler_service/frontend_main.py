@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 
@@ -18,12 +19,14 @@ from seqserve_common.command_line import process_arguments, write_port_file
 from seqserve_common.config import ConfigError, ServingConfig
 
 logger = logging.getLogger("seqserve.frontend")
+PARENT_POLL_S = 0.5
 
 
 async def serve(cfg: ServingConfig, core_address: str, index: int, port_file: str | None,
                 public_tls: tls.TlsFiles | None, token: str) -> int:
     from seqserve_common.model_source import load_tokenizer
 
+    parent = os.getppid()  # the core, whose death ends the wait for it below
     core = RemoteCore(core_address, token, index, cfg.max_queue)
     frontend = Frontend(core.count_refusal)
     # Siblings bind the same ports: the first front end's, passed on by the core.
@@ -38,12 +41,19 @@ async def serve(cfg: ServingConfig, core_address: str, index: int, port_file: st
     tokenizer = await asyncio.to_thread(load_tokenizer, cfg)
     connected = asyncio.ensure_future(core.connect())
     stopped = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({connected, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    orphaned = asyncio.ensure_future(_exited(parent))
+    await asyncio.wait({connected, stopped, orphaned}, return_when=asyncio.FIRST_COMPLETED)
+    orphaned.cancel()
     if not connected.done():
+        # A core gone before this one connected looks like one with no worker yet
+        # (UNAVAILABLE): without this the front end would wait for it, on its ports, for ever.
         connected.cancel()
+        if orphaned.done():
+            logger.error("the scheduler core (pid %d) exited before front end %d connected; "
+                         "it exits too", parent, index)
         await public.stop(0)
         await core.close()
-        return 0
+        return 0 if stopped.done() else 1
     frontend.state = make_serving_state(core, tokenizer, connected.result(), cfg)
     core.on_ready_change = lambda ready: asyncio.ensure_future(
         public.set_ready(ready and not frontend.draining))
@@ -66,6 +76,12 @@ async def serve(cfg: ServingConfig, core_address: str, index: int, port_file: st
     await public.stop(0.5)
     await core.close()
     return 0
+
+
+async def _exited(pid: int) -> None:
+    """Returns once process `pid`, this one's parent, has exited (this one is re-parented)."""
+    while os.getppid() == pid:
+        await asyncio.sleep(PARENT_POLL_S)
 
 
 def main(argv: list[str] | None = None) -> int:

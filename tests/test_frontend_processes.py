@@ -203,6 +203,26 @@ def test_front_ends_exit_with_the_core(tmp_path):
             time.sleep(0.1)
 
 
+@pytest.mark.slow
+def test_front_ends_exit_with_a_core_killed_before_they_connected(tmp_path):
+    d = Deployment(MODEL, tmp_path, {"frontend_processes": 2})
+    try:
+        d.start_worker()
+        d.start_scheduler(wait_ready=False)  # back once the front ends bound their ports
+        frontends = _children(d.scheduler.proc.pid)
+        assert len(frontends) == 2
+        os.kill(d.scheduler.proc.pid, signal.SIGKILL)  # before they loaded the tokenizer
+        deadline = time.monotonic() + 60
+        while not all(_gone(p) for p in frontends):
+            assert time.monotonic() < deadline, "front ends outlived their core, on its ports"
+            time.sleep(0.1)
+    finally:
+        for p in frontends:
+            if not _gone(p):
+                os.kill(p, signal.SIGKILL)
+        d.stop()
+
+
 # --- RemoteCore on its own (a stub in place of the core) -----------------------------------
 
 def _seq(sid: int) -> Sequence:
