@@ -172,15 +172,16 @@ class Client:
 
     `tls_ca_file`: connect over TLS, trusting this CA (PEM); `tls_cert_file`/`tls_key_file`:
     a client certificate for servers that require one; `token`: the bearer token, sent as
-    `authorization` metadata on every call.
+    `authorization` metadata on every call; `channel_options`: gRPC channel arguments.
     """
 
     def __init__(self, address: str = "127.0.0.1:8000", timeout: float | None = None, *,
                  tls_ca_file: str | None = None, token: str | None = None,
-                 tls_cert_file: str | None = None, tls_key_file: str | None = None):
+                 tls_cert_file: str | None = None, tls_key_file: str | None = None,
+                 channel_options: Sequence[tuple[str, Any]] = ()):
         creds = channel_credentials(tls_ca_file, tls_cert_file, tls_key_file)
-        self.channel = (grpc.insecure_channel(address) if creds is None
-                        else grpc.secure_channel(address, creds))
+        self.channel = (grpc.insecure_channel(address, options=channel_options) if creds is None
+                        else grpc.secure_channel(address, creds, options=channel_options))
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         self.timeout = timeout
         self.metadata = auth_metadata(token)
@@ -212,10 +213,12 @@ class AsyncClient:
 
     def __init__(self, address: str = "127.0.0.1:8000", timeout: float | None = None, *,
                  tls_ca_file: str | None = None, token: str | None = None,
-                 tls_cert_file: str | None = None, tls_key_file: str | None = None):
+                 tls_cert_file: str | None = None, tls_key_file: str | None = None,
+                 channel_options: Sequence[tuple[str, Any]] = ()):
         creds = channel_credentials(tls_ca_file, tls_cert_file, tls_key_file)
-        self.channel = (grpc.aio.insecure_channel(address) if creds is None
-                        else grpc.aio.secure_channel(address, creds))
+        self.channel = (grpc.aio.insecure_channel(address, options=channel_options)
+                        if creds is None
+                        else grpc.aio.secure_channel(address, creds, options=channel_options))
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         self.timeout = timeout
         self.metadata = auth_metadata(token)

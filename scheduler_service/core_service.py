@@ -146,6 +146,7 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         for seq in seqs:
             link.seqs[seq.seq_id] = seq
+        self.metrics.frontend_requests.labels(link.name).inc(len(seqs))
         return core_pb2.SubmitResponse()
 
     async def Cancel(self, request, context):

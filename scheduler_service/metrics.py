@@ -112,6 +112,9 @@ class SchedulerMetrics:
         self.placed = Counter("seqserve_requests_placed_total",
                               "Requests placed on each worker (moves after a failure count "
                               "again)", ["worker"], registry=r)
+        self.frontend_requests = Counter(
+            "seqserve_frontend_requests_total", "Sequences each front-end process submitted "
+            "(option.frontend_processes >= 1)", ["frontend"], registry=r)
         self._waiting: dict[str, int] = {}
         self._load: dict[str, tuple[int, int, int]] = {}  # worker -> running, reserved, budget
         self._ready: dict[str, bool] = {}

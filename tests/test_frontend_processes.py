@@ -69,8 +69,10 @@ def _requests(stop: str) -> list[tuple[str, dict]]:
 
 async def _all(address: str, requests: list[tuple[str, dict]]) -> list:
     async def one(prompt, params):
-        # A channel each: the kernel spreads connections over the front ends.
-        async with AsyncClient(address, timeout=120) as c:
+        # A connection each (channels to one address may share a connection unless each
+        # has its own subchannel pool): the kernel spreads connections over the front ends.
+        async with AsyncClient(address, timeout=120,
+                               channel_options=[("grpc.use_local_subchannel_pool", 1)]) as c:
             return await c.generate(prompt, **params)
     return await asyncio.gather(*(one(p, dict(kw)) for p, kw in requests))
 
@@ -104,6 +106,9 @@ def test_replies_equal_the_single_process_deployment_and_greedy_equals_generate(
             tops.append([[t for t, _ in ch.top_logprobs]
                          for ch in c.stream(scored[0], **scored[1]) if ch.token_id is not None])
     assert tops[1] == tops[0] and len(tops[1][0]) == 3
+    served = [v for k, v in scrape(split.metrics_url).items()
+              if k.startswith("seqserve_frontend_requests_total{")]
+    assert len(served) == 2 and min(served) > 0, f"a front end served nothing: {served}"
     # The stop string ended the sequence in the front end, which cancelled it in the core.
     assert scrape(split.metrics_url).get("seqserve_requests_finished_total{reason=stop}") == 1
     again = [asyncio.run(_all(d.address, requests[:1]))[0] for d in (single, split)]
