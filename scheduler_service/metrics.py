@@ -67,6 +67,9 @@ class SchedulerMetrics:
                                    "Step time by phase: plan, rpc (control round trip minus "
                                    "worker time), worker, postprocess", ["phase"],
                                    buckets=_STEP, registry=r)
+        # The children observed every Step, looked up once.
+        self._step_phase = {p: self.step_time.labels(p)
+                            for p in ("plan", "worker", "rpc", "postprocess")}
         self.prompt_tokens = Counter("seqserve_prompt_tokens_total", "Prompt tokens prefilled",
                                      registry=r)
         self.step_prefill_tokens = Histogram(
@@ -115,6 +118,7 @@ class SchedulerMetrics:
         self.frontend_requests = Counter(
             "seqserve_frontend_requests_total", "Sequences each front-end process submitted "
             "(option.frontend_processes >= 1)", ["frontend"], registry=r)
+        self._tokens = 0  # generated tokens not yet added to generation_tokens
         self._waiting: dict[str, int] = {}
         self._load: dict[str, tuple[int, int, int]] = {}  # worker -> running, reserved, budget
         self._ready: dict[str, bool] = {}
@@ -133,7 +137,7 @@ class SchedulerMetrics:
             self.prefix_hit_tokens.inc(tok.cached_tokens)
         elif seq.last_token_time is not None:
             self.itl.observe(now - seq.last_token_time)
-        self.generation_tokens.inc()
+        self._tokens += 1  # counted once per Step (observe_step): a lock each is CPU
 
     def observe_finish(self, seq: Sequence, reason: FinishReason, now: float) -> None:
         self.requests_finished.labels(reason.value).inc()
@@ -186,10 +190,14 @@ class SchedulerMetrics:
         """`rpc_s`: the loop's wait for the answer; what the worker did not spend of it is
         the control round trip."""
         worker_s = answer.worker_seconds
-        self.step_time.labels("plan").observe(plan_s)
-        self.step_time.labels("worker").observe(worker_s)
-        self.step_time.labels("rpc").observe(max(rpc_s - worker_s, 0.0))
-        self.step_time.labels("postprocess").observe(post_s)
+        phase = self._step_phase
+        phase["plan"].observe(plan_s)
+        phase["worker"].observe(worker_s)
+        phase["rpc"].observe(max(rpc_s - worker_s, 0.0))
+        phase["postprocess"].observe(post_s)
+        if self._tokens:
+            self.generation_tokens.inc(self._tokens)
+            self._tokens = 0
         if plan.groups:
             self.batch_size.observe(sum(len(g) for g in plan.groups))
             self.splits.observe(len(plan.groups))
