@@ -122,6 +122,9 @@ def test_worker_crash_loses_no_token(llama_dir, deploy):
     assert m["seqserve_workers_ready"] == 1
 
 
+# Slow (12 s): test_control_plane's readiness test also waits out worker_timeout on a
+# dead worker and checks the UNAVAILABLE.
+@pytest.mark.slow
 def test_no_worker_within_timeout_gives_unavailable(llama_dir, deploy):
     d = deploy(llama_dir, worker_timeout=2)
     with Client(d.address, timeout=60) as c:
