@@ -109,6 +109,10 @@ class AdmissionPolicy(Protocol):
     so that more urgent waiting ones fit. The loop calls `preempt` first, frees the
     victims' room, then calls `admit`."""
 
+    # Whether `preempt` may stop running sequences when nothing waits (a reservation
+    # outgrown); if not, the loop skips both calls on an empty queue.
+    watches_running: bool
+
     def admit(self, waiting: WaitingQueue, budget: Budget) -> list[Sequence]: ...
 
     def preempt(self, waiting: WaitingQueue, running: list[Sequence],
@@ -125,6 +129,8 @@ class AdmissionPolicy(Protocol):
 class FCFSAdmission:
     """Strict arrival order: stop at the first request that does not fit, so a large
     request is never starved by smaller ones behind it. Never preempts."""
+
+    watches_running = False
 
     def preempt(self, waiting: WaitingQueue, running: list[Sequence],
                 budget: Budget) -> list[Sequence]:

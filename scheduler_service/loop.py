@@ -226,6 +226,8 @@ class IterationLoop:
         return True
 
     def _admit(self, prefill: StepBudget) -> list[Sequence]:
+        if not len(self.waiting) and not self.policy.watches_running:
+            return []  # nothing to admit, nor to preempt for: most Steps under load
         reserved = sum(s.reserved_tokens for s in self.running.values())
         slots = self.max_batch - len(self.running)
         if self._one_at_a_time > 0:

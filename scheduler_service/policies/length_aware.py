@@ -48,6 +48,10 @@ _LEARN_FROM = (FinishReason.EOS, FinishReason.STOP, FinishReason.LENGTH)
 
 
 class LengthAwareAdmission(RankedAdmission):
+    # Reservations grow, and outgrown ones preempt, with or without a waiting request;
+    # admit also learns from the finished ones.
+    watches_running = True
+
     def __init__(self, predictor: LengthPredictor, aging_steps: int,
                  use_prompt: bool = True, use_hidden: bool = True,
                  margin: int = GROW_MARGIN):

@@ -24,6 +24,8 @@ class RankedAdmission:
     """An AdmissionPolicy ordered by `rank(seq, waiting)`; `preemptive` turns preemption
     on. Pure: it reads the sequences and the queue's clock and returns its choices."""
 
+    watches_running = False  # it preempts only for a waiting request
+
     def __init__(self, rank: Rank, preemptive: bool = True):
         self.rank = rank
         self.preemptive = preemptive
