@@ -69,17 +69,6 @@ class StepBudget:
         return cls(max_num_batched_tokens - sum(decode_tokens(s) for s in running
                                                 if not s.prefilling), True)
 
-    @classmethod
-    def for_step(cls, max_num_batched_tokens: int, chunked: bool,
-                 running: Iterable[Sequence]) -> StepBudget:
-        """`for_decoding`, then the next chunks of the prompts begun, in their order. What
-        is left is for new requests (`take` their chunks once admitted)."""
-        running = list(running)
-        budget = cls.for_decoding(max_num_batched_tokens, chunked, running)
-        if chunked:
-            budget.take(s for s in running if s.prefilling)
-        return budget
-
     def take(self, seqs: Iterable[Sequence]) -> dict[int, Chunk]:
         """The chunk of each sequence of `seqs` that gets one, in their order, paid from
         the budget and recorded on the sequence (`prefilled`). A chunk that does not finish

@@ -16,7 +16,6 @@ import logging
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health, health_pb2_grpc
 from prometheus_client import generate_latest
 from seqserve.core.v1 import core_pb2, core_pb2_grpc
 
@@ -180,12 +179,11 @@ class CoreServer:
     """The core's own gRPC port: Core for its front ends, WorkerAdmin, health."""
 
     server: grpc.aio.Server
-    health: health.aio.HealthServicer
+    health: health_names.AioHealth
     ports: dict[str, int]  # core
 
     async def set_ready(self, ready: bool) -> None:
-        for name in health_names.readiness_names(SERVICE_NAME):
-            await self.health.set(name, health_names.status(ready))
+        await self.health.set_ready(ready)
 
     async def stop(self, grace: float) -> None:
         await self.server.stop(grace=grace)
@@ -201,12 +199,8 @@ async def start_core(cfg: ServingConfig, core: CoreServicer, pool: WorkerPool,
         options=list(GRPC_MESSAGE_OPTIONS))
     add_to_server(core, server)
     admin_api.add_to_server(pool, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    health_names.enable_reflection((SERVICE_NAME, admin_api.SERVICE_NAME), server, aio=True)
-    await health_servicer.set(health_names.LIVENESS, health_names.SERVING)
+    health = health_names.AioHealth(server, SERVICE_NAME, (admin_api.SERVICE_NAME,))
+    await health.start()
     port = server.add_insecure_port(f"127.0.0.1:{cfg.core_port}")
     await server.start()
-    node = CoreServer(server, health_servicer, {"core": port})
-    await node.set_ready(False)
-    return node
+    return CoreServer(server, health, {"core": port})

@@ -10,7 +10,6 @@ import logging
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health, health_pb2_grpc
 from seqserve.v1 import generate_pb2
 
 from scheduler_service import auth
@@ -31,14 +30,13 @@ PUBLIC_MESSAGE_BYTES = 4 << 20
 @dataclass
 class PublicServers:
     server: grpc.aio.Server
-    health: health.aio.HealthServicer
+    health: health_names.AioHealth
     http: InvocationsApp
     openai: OpenAIApp
     ports: dict[str, int]  # grpc, http, openai (-1: off)
 
     async def set_ready(self, ready: bool) -> None:
-        for name in health_names.readiness_names(SERVICE_NAME):
-            await self.health.set(name, health_names.status(ready))
+        await self.health.set_ready(ready)
 
     async def stop(self, grace: float) -> None:
         await asyncio.gather(self.server.stop(grace=grace), self.http.server.stop(),
@@ -60,10 +58,8 @@ async def start_public(cfg: ServingConfig, frontend: Frontend, public_tls: tls.T
     add_to_server(GenerationServicer(frontend), server)
     if add_services is not None:
         add_services(server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    health_names.enable_reflection((SERVICE_NAME, *reflect), server, aio=True)
-    await health_servicer.set(health_names.LIVENESS, health_names.SERVING)
+    health = health_names.AioHealth(server, SERVICE_NAME, reflect)
+    await health.start()
     if public_tls is not None:
         port = server.add_secure_port(f"{cfg.host}:{cfg.port}", public_tls.server_credentials(
             require_client_auth=public_tls.ca is not None))
@@ -82,9 +78,8 @@ async def start_public(cfg: ServingConfig, frontend: Frontend, public_tls: tls.T
     openai_port = (await openai_app.server.start(cfg.host, cfg.openai_port, http_ssl,
                                                      reuse_port)
                    if cfg.openai_port >= 0 else -1)
-    servers = PublicServers(server, health_servicer, http, openai_app,
+    servers = PublicServers(server, health, http, openai_app,
                             {"grpc": port, "http": http_port, "openai": openai_port})
-    await servers.set_ready(False)
     public_mode = ("plaintext" if public_tls is None else
                    "TLS" if public_tls.ca is None else "mutual TLS")
     logger.info("public API on %s: gRPC %d, HTTP %d, OpenAI %d; %s%s", cfg.host, port,

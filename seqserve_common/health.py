@@ -10,7 +10,7 @@ wire, so the v1alpha servicer serves v1 clients too.
 from __future__ import annotations
 
 import grpc
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 LIVENESS = "liveness"
@@ -43,3 +43,23 @@ def enable_reflection(services: tuple[str, ...], server, aio: bool) -> None:
         response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         _REFLECTION_V1, {"ServerReflectionInfo": handler}),))
+
+
+class AioHealth:
+    """Health and reflection on a grpc.aio server whose main service is `service` (more
+    services in `reflect`): liveness SERVING from `start` on, readiness NOT_SERVING until
+    `set_ready`."""
+
+    def __init__(self, server: grpc.aio.Server, service: str, reflect: tuple[str, ...] = ()):
+        self.service = service
+        self.servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+        enable_reflection((service, *reflect), server, aio=True)
+
+    async def start(self) -> None:
+        await self.servicer.set(LIVENESS, SERVING)
+        await self.set_ready(False)
+
+    async def set_ready(self, ready: bool) -> None:
+        for name in readiness_names(self.service):
+            await self.servicer.set(name, status(ready))

@@ -14,6 +14,16 @@ from scheduler_service.worker_client import encode_step
 from seqserve_common.decoding import DecodingStrategy
 
 
+def fcfs_step_budget(max_num_batched_tokens: int, chunked: bool, running) -> StepBudget:
+    """A Step's budget as the loop pays it under FCFS: the decoding rows, then the next
+    chunks of the prompts begun, in their order; what is left is for new requests."""
+    running = list(running)
+    budget = StepBudget.for_decoding(max_num_batched_tokens, chunked, running)
+    if chunked:
+        budget.take(s for s in running if s.prefilling)
+    return budget
+
+
 def seq(sid: int, prompt_len: int, max_new: int = 10, generated: int = 0) -> Sequence:
     s = Sequence(seq_id=sid, request_id=str(sid), prompt_ids=[1] * prompt_len,
                  params=DecodingConfig(max_new_tokens=max_new, strategy=DecodingStrategy.GREEDY),
@@ -91,7 +101,7 @@ def test_decoding_rows_come_first_then_chunks_fill_the_budget():
                                         top_k=4, penalty_alpha=0.6)
     long, short = admitted(seq(4, 300)), admitted(seq(5, 20))
     long.prefilled = 10  # begun in an earlier step
-    budget = StepBudget.for_step(100, True, decoding + [contrastive, long])
+    budget = fcfs_step_budget(100, True, decoding + [contrastive, long])
     # The decoding rows leave 100 - 1 - 1 - 4 = 94 tokens: the prompt begun takes its next
     # chunk first, cut to end on a multiple of 32 (10 + 94 = 104 -> 96) ...
     assert budget.chunks == {4: Chunk(10, 96)} and budget.left == 94 - 86
@@ -99,7 +109,7 @@ def test_decoding_rows_come_first_then_chunks_fill_the_budget():
     assert budget.take([short]) == {5: Chunk(0, 8)}
     assert budget.chunks == {4: Chunk(10, 96), 5: Chunk(0, 8)} and budget.left == 0
     assert long.prefilling and short.prefilling
-    assert StepBudget.for_step(100, True, [long, short]).chunks == {4: Chunk(96, 192),
+    assert fcfs_step_budget(100, True, [long, short]).chunks == {4: Chunk(96, 192),
                                                                    5: Chunk(8, 12)}
 
 
@@ -107,19 +117,19 @@ def test_a_prompt_longer_than_the_budget_is_split_over_steps_in_order():
     long = admitted(seq(1, 1000))
     chunks = []
     while long.prefilling:
-        chunks += StepBudget.for_step(256, True, [long]).chunks.values()
+        chunks += fcfs_step_budget(256, True, [long]).chunks.values()
     assert chunks == [Chunk(0, 256), Chunk(256, 512), Chunk(512, 768), Chunk(768, 1000)]
     # A budget smaller than an aligned piece still moves the prompt along, and the next
     # piece gets back onto the 32-token grid.
     small = admitted(seq(2, 50))
-    assert StepBudget.for_step(20, True, []).take([small]) == {2: Chunk(0, 20)}
-    assert StepBudget.for_step(20, True, []).take([small]) == {2: Chunk(20, 32)}
-    assert StepBudget.for_step(20, True, []).take([small]) == {2: Chunk(32, 50)}
+    assert fcfs_step_budget(20, True, []).take([small]) == {2: Chunk(0, 20)}
+    assert fcfs_step_budget(20, True, []).take([small]) == {2: Chunk(20, 32)}
+    assert fcfs_step_budget(20, True, []).take([small]) == {2: Chunk(32, 50)}
 
 
 def test_without_chunking_every_prompt_is_whole_and_the_budget_untouched():
     a, b = admitted(seq(1, 3000)), admitted(seq(2, 10))
-    budget = StepBudget.for_step(256, False, [seq(3, 5, generated=1)])
+    budget = fcfs_step_budget(256, False, [seq(3, 5, generated=1)])
     assert budget.take([a, b]) == {1: Chunk(0, 3000), 2: Chunk(0, 10)}
     assert budget.left == 256 and not budget.chunked
 
@@ -139,14 +149,14 @@ def test_chunked_admission_takes_requests_while_budget_is_left():
 def test_plan_expects_no_token_from_a_prompt_in_mid_prefill():
     planner = BatchPlanner(max_sparsity=0.1, max_splits=3)
     running = [admitted(seq(1, 40)), admitted(seq(2, 500))]
-    chunks = StepBudget.for_step(128, True, []).take(running)
+    chunks = fcfs_step_budget(128, True, []).take(running)
     plan = planner.plan([], running, [], chunks)
     assert plan.no_token == {2} and plan.token_ids() == [1]
     assert plan.prefill_tokens == 40 + 64 and plan.partial_chunks == 1
     # The prefilling row counts its whole prompt, so its chunks do not move it.
     assert [2] in plan.groups
     running[0].in_flight = 1
-    again = planner.plan(running, [], [], StepBudget.for_step(128, True, running).chunks)
+    again = planner.plan(running, [], [], fcfs_step_budget(128, True, running).chunks)
     assert not again.regrouped and again.groups == plan.groups and again.no_token == {2}
     message = encode_step(7, again)
     assert [(c.sequence_id, c.end) for c in message.chunks] == [(2, 64 + 127 - 127 % 32)]
