@@ -29,6 +29,9 @@ from seqserve_common.decoding import DecodingStrategy
 MAX_CHARS_PER_TOKEN = 64
 # Choices per prompt (OpenAI's `n`): each is a sequence of its own.
 MAX_CHOICES = 16
+# The id comes back in every streamed message: a long one multiplies the bytes a request
+# costs the server per token (a 3 MB id made a 27 MB reply of 8 tokens).
+MAX_REQUEST_ID_CHARS = 256
 
 # Events handed out together at most (event_batches): bounds a catching-up message's size.
 MAX_EVENTS_PER_BATCH = 64
@@ -140,6 +143,11 @@ class Frontend:
                     1 <= request.n <= MAX_CHOICES):
                 raise RequestError(f"n must be an integer in [1, {MAX_CHOICES}], got {request.n!r}")
             priority = check_priority(request.priority)
+            if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+                raise RequestError(
+                    f"request_id has {len(request.request_id)} characters; at most "
+                    f"{MAX_REQUEST_ID_CHARS} are allowed (it is echoed in every streamed "
+                    f"message): send a shorter id")
             for name in ("length_hint", "eos_after_tokens"):
                 value = getattr(request, name)
                 if value is not None and value < 1:

@@ -356,6 +356,34 @@ def test_string_request_id_is_accepted(server):
     assert status == 200, answer[:200]
 
 
+def test_request_id_length_is_capped(server):
+    """The id is echoed in every streamed message: a long one is refused on both APIs,
+    one at the cap serves and comes back whole."""
+    from scheduler_service.frontend import MAX_REQUEST_ID_CHARS
+
+    def invoke(rid):
+        return post(server.http_url + "/invocations", json.dumps(
+            {"inputs": "hi", "request_id": rid, "parameters": {"max_new_tokens": 2}}).encode())
+
+    status, answer = invoke("r" * (MAX_REQUEST_ID_CHARS + 1))
+    assert status == 400 and "at most 256" in json.loads(answer)["error"], answer[:300]
+    with grpc.insecure_channel(server.address) as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GenerateUnary(generate_pb2.GenerateRequest(
+                inputs="hi", request_id="g" * 100_000,
+                parameters=generate_pb2.DecodingParameters(max_new_tokens=2)), timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "request_id has 100000 characters" in err.value.details()
+        rid = "g" * MAX_REQUEST_ID_CHARS
+        reply = stub.GenerateUnary(generate_pb2.GenerateRequest(
+            inputs="hi", request_id=rid,
+            parameters=generate_pb2.DecodingParameters(max_new_tokens=2)), timeout=60)
+        assert reply.request_id == rid
+    status, answer = invoke("r" * MAX_REQUEST_ID_CHARS)
+    assert status == 200, answer[:200]
+
+
 # --- 11. gRPC top logprobs carry their text ----------------------------------------------
 
 def test_grpc_top_logprobs_have_text(server):
