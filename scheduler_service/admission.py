@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Protocol
 
-from scheduler_service.chunking import chunk_end
+from scheduler_service.chunking import ChunkLimit, chunk_end
 from scheduler_service.sequence import Sequence, Status
 
 
@@ -101,6 +101,9 @@ class Budget:
     # admission. Their next chunks are paid from prefill_tokens too, before a new
     # request's unless the policy's `prefill_order` puts that request ahead of them.
     started: tuple[Sequence, ...] = ()
+    # A Step in flight pays chunks the policy's `chunk_limit` capped (priority's
+    # background prompts, policies/urgent_shield.py).
+    background_in_flight: bool = False
 
 
 class AdmissionPolicy(Protocol):
@@ -125,6 +128,12 @@ class AdmissionPolicy(Protocol):
         chose against the same order (`fitting_prefix`'s `key`)."""
         ...
 
+    def chunk_limit(self, order: list[Sequence], waiting: WaitingQueue,
+                    background_in_flight: bool) -> ChunkLimit | None:
+        """A cap on some of `order`'s chunks in this Step (None: none), given whether a
+        Step in flight pays capped chunks."""
+        ...
+
 
 class FCFSAdmission:
     """Strict arrival order: stop at the first request that does not fit, so a large
@@ -145,6 +154,10 @@ class FCFSAdmission:
     def prefill_order(self, started: list[Sequence], admitted: list[Sequence],
                       waiting: WaitingQueue) -> list[Sequence]:
         return started + admitted  # arrival order: the prompts begun came first
+
+    def chunk_limit(self, order: list[Sequence], waiting: WaitingQueue,
+                    background_in_flight: bool) -> ChunkLimit | None:
+        return None
 
 
 def fitting_prefix(candidates: Iterable[Sequence], budget: Budget,

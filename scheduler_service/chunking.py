@@ -48,6 +48,16 @@ class Chunk(NamedTuple):
     end: int
 
 
+class ChunkLimit(NamedTuple):
+    """A cap on some prompts' chunks in one Step (policies/urgent_shield.py): those of
+    `seq_ids` take at most `tokens` prompt tokens together (0: none, save a new prompt's
+    first token, since the worker prefills a new sequence whole unless a chunk says
+    otherwise)."""
+
+    seq_ids: frozenset[int]
+    tokens: int
+
+
 class StepBudget:
     """What is left of one step's prompt-token budget as the loop hands it out, and the
     chunks handed out so far (sequence id -> Chunk)."""
@@ -69,20 +79,31 @@ class StepBudget:
         return cls(max_num_batched_tokens - sum(decode_tokens(s) for s in running
                                                 if not s.prefilling), True)
 
-    def take(self, seqs: Iterable[Sequence]) -> dict[int, Chunk]:
+    def take(self, seqs: Iterable[Sequence], limit: ChunkLimit | None = None
+             ) -> dict[int, Chunk]:
         """The chunk of each sequence of `seqs` that gets one, in their order, paid from
-        the budget and recorded on the sequence (`prefilled`). A chunk that does not finish
-        its prompt is cut down to end on a multiple of CHUNK_ALIGN when that still leaves
-        it a token. Without chunking every prompt is whole and the budget untouched (the
-        admission policy spends it)."""
+        the budget and recorded on the sequence (`prefilled`); those of `limit.seq_ids`
+        also from its tokens (with chunking only). A chunk that does not finish its prompt
+        is cut down to end on a multiple of CHUNK_ALIGN when that still leaves it a token.
+        Without chunking every prompt is whole and the budget untouched (the admission
+        policy spends it)."""
         chunks: dict[int, Chunk] = {}
+        capped = self.chunked and limit is not None
+        limit_left = limit.tokens if capped else 0
         for s in seqs:
             start, need = s.prefilled, s.prefill_target - s.prefilled
             if need <= 0:
                 continue
             if self.chunked and self.left <= 0:
                 break
-            end = chunk_end(start, s.prefill_target, self.left, self.chunked)
+            left, limited = self.left, capped and s.seq_id in limit.seq_ids
+            if limited:
+                left = min(left, max(limit_left, 1 if start == 0 else 0))
+                if left <= 0:
+                    continue
+            end = chunk_end(start, s.prefill_target, left, self.chunked)
+            if limited:
+                limit_left -= end - start
             chunks[s.seq_id] = Chunk(start, end)
             s.prefilled = end
             if self.chunked:

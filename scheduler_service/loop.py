@@ -45,6 +45,7 @@ class _InFlight:
     step_id: int
     sent: float  # perf_counter when it was handed to the stream
     plan_seconds: float
+    background: bool = False  # it pays chunks the policy capped (AdmissionPolicy.chunk_limit)
 
 
 class IterationLoop:
@@ -210,11 +211,19 @@ class IterationLoop:
         # The decoding rows first; the prompts' chunks after the admission and its
         # preemptions, in the policy's order, so a victim's chunk takes no budget and an
         # urgent request's can go before those of prompts begun earlier.
+        # Under `priority`, less urgent prompts' chunks are capped, and none go beside an
+        # urgent prompt's or behind a Step in flight that pays such chunks
+        # (policies/urgent_shield.py).
         budget = StepBudget.for_decoding(self.max_num_batched_tokens, self.chunked, advancing)
-        admitted = self._admit(budget) if self.admitting else []
+        background_in_flight = any(f.background for f in self._inflight)
+        admitted = self._admit(budget, background_in_flight) if self.admitting else []
         advancing = [s for s in advancing if s.seq_id in self.running]  # less the preempted
-        budget.take(self.policy.prefill_order([s for s in advancing if s.prefilling],
-                                              admitted, self.waiting))
+        order = self.policy.prefill_order([s for s in advancing if s.prefilling], admitted,
+                                          self.waiting)
+        limit = self.policy.chunk_limit(order, self.waiting, background_in_flight)
+        budget.take(order, limit)
+        background = (self.chunked and limit is not None
+                      and any(sid in limit.seq_ids for sid in budget.chunks))
         if not advancing and not admitted:
             if not self.running:
                 for head in [s for s in self.waiting if s.reserved_tokens > self.kv_budget]:
@@ -222,17 +231,18 @@ class IterationLoop:
                     self._fail(head, f"request needs {head.reserved_tokens} KV tokens; the "
                                      f"worker holds {self.kv_budget}")
             return False  # else wait for the steps in flight to end sequences
-        await self._send(self._plan(advancing, admitted, budget.chunks))
+        await self._send(self._plan(advancing, admitted, budget.chunks), background)
         return True
 
-    def _admit(self, prefill: StepBudget) -> list[Sequence]:
+    def _admit(self, prefill: StepBudget, background_in_flight: bool) -> list[Sequence]:
         if not len(self.waiting) and not self.policy.watches_running:
             return []  # nothing to admit, nor to preempt for: most Steps under load
         reserved = sum(s.reserved_tokens for s in self.running.values())
         slots = self.max_batch - len(self.running)
         if self._one_at_a_time > 0:
             slots = min(slots, 1)  # isolate the re-admitted sequences (see recovery.py)
-        budget = Budget(slots, self.kv_budget - reserved, prefill.left, prefill.chunked)
+        budget = Budget(slots, self.kv_budget - reserved, prefill.left, prefill.chunked,
+                        background_in_flight=background_in_flight)
         victims, budget = preempt(self.policy, self.waiting, self.running, budget)
         budget = replace(budget, started=tuple(s for s in self.running.values()
                                                if s.advancing and s.prefilling))
@@ -265,7 +275,7 @@ class IterationLoop:
             s.admitted_step = self.step_id + 1  # the Step _send numbers next
         return plan
 
-    async def _send(self, plan: StepPlan) -> None:
+    async def _send(self, plan: StepPlan, background: bool = False) -> None:
         t0 = time.perf_counter()
         self.step_id += 1
         self.waiting.tick()
@@ -274,7 +284,7 @@ class IterationLoop:
         if self._stream is None:
             self._stream = self.worker.open_steps()
         t1 = time.perf_counter()
-        self._inflight.append(_InFlight(plan, self.step_id, t1, t1 - t0))
+        self._inflight.append(_InFlight(plan, self.step_id, t1, t1 - t0, background))
         await self._stream.send(self.step_id, plan)
 
     async def _receive(self) -> None:

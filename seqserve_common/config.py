@@ -166,6 +166,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("priority_aging_steps", int, "an integer >= 1", lambda v: v >= 1,
            "priority and mlfq: a waiting request gains one level of urgency per this many "
            "Steps waited, so none starves"),
+    Option("priority_background_chunk_tokens", int, "an integer >= 0 (0: off)",
+           lambda v: v >= 0,
+           "priority: once a more urgent request was seen, prompt tokens the less urgent "
+           "prompts' chunks may take together in one Step; their chunks also stay out of "
+           "the Steps of urgent prompts' chunks and from behind each other in flight "
+           "(0: no such rule); docs/scheduling.md"),
     Option("mlfq_levels", int, "an integer in [1, 16]", lambda v: 1 <= v <= 16,
            "mlfq: number of queues"),
     Option("mlfq_quantum_steps", int, "an integer >= 1", lambda v: v >= 1,
@@ -269,6 +275,7 @@ class ServingConfig:
     steps_in_flight: int = 2
     scheduling_policy: str = "fcfs"
     priority_aging_steps: int = 64
+    priority_background_chunk_tokens: int = 128
     mlfq_levels: int = 4
     mlfq_quantum_steps: int = 8
     mlfq_prefill_tokens_per_step: int = 128

@@ -286,7 +286,7 @@ def test_fcfs_pays_the_prompts_begun_first():
 
 
 @pytest.mark.timeout(30)  # a broken loop may spin without yielding to wait_for
-@pytest.mark.parametrize("name", ["priority", "mlfq"])
+@pytest.mark.parametrize("name", ["priority", "priority-shield", "mlfq"])
 def test_random_priorities_under_a_small_step_budget_all_finish_unchanged(name):
     """Prompts of 5-300 tokens with random priorities arriving while others run, a 65-token
     Step budget (chunks in the policy's order, preemptions): every request ends, each
@@ -296,6 +296,8 @@ def test_random_priorities_under_a_small_step_budget_all_finish_unchanged(name):
 
     rng = random.Random(5)
     policy = (PriorityAdmission(aging_steps=16) if name == "priority" else
+              PriorityAdmission(aging_steps=16, background_chunk_tokens=40)
+              if name == "priority-shield" else
               MLFQAdmission(MLFQConfig(base_quantum=2, prefill_tokens_per_step=64)))
     worker, metrics = Worker(), SchedulerMetrics()
 

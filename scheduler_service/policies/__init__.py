@@ -34,7 +34,8 @@ def make_policy(cfg: ServingConfig, predictor: LengthPredictor | None = None
     if name == "fcfs":
         return FCFSAdmission()
     if name == "priority":
-        return PriorityAdmission(cfg.priority_aging_steps)
+        return PriorityAdmission(cfg.priority_aging_steps,
+                                 cfg.priority_background_chunk_tokens)
     if name == "mlfq":
         return MLFQAdmission(MLFQConfig(
             levels=cfg.mlfq_levels, base_quantum=cfg.mlfq_quantum_steps,

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from scheduler_service.admission import WaitingQueue
+from scheduler_service.admission import Budget, WaitingQueue
+from scheduler_service.chunking import ChunkLimit
 from scheduler_service.params import RequestError
 from scheduler_service.policies.ranked import RankedAdmission
+from scheduler_service.policies.urgent_shield import URGENT_WINDOW_STEPS, UrgentShield
 from scheduler_service.sequence import Sequence
 
 PRIORITY_MIN = -100
@@ -43,8 +45,32 @@ def effective_priority(seq: Sequence, waiting: WaitingQueue, aging_steps: int) -
 
 
 class PriorityAdmission(RankedAdmission):
-    def __init__(self, aging_steps: int):
+    """`background_chunk_tokens`: the urgent shield's cap on less urgent prompts' chunks
+    (urgent_shield.py); 0 turns the shield off (prompts of every priority then share
+    Steps, paid in priority order)."""
+
+    def __init__(self, aging_steps: int, background_chunk_tokens: int = 0,
+                 window_steps: int = URGENT_WINDOW_STEPS):
         if aging_steps < 1:
             raise ValueError(f"aging_steps must be >= 1, got {aging_steps}")
+        if background_chunk_tokens < 0:
+            raise ValueError("background_chunk_tokens must be >= 0 (0: no shield), got "
+                             f"{background_chunk_tokens}")
         self.aging_steps = aging_steps
         super().__init__(lambda s, w: effective_priority(s, w, aging_steps))
+        self.shield = (UrgentShield(self.rank, background_chunk_tokens, aging_steps,
+                                    window_steps) if background_chunk_tokens else None)
+
+    def candidates(self, waiting: WaitingQueue, budget: Budget) -> list[Sequence]:
+        order = self.order(waiting)
+        if self.shield is None or not budget.chunked:
+            return order
+        self.shield.see(waiting)
+        return self.shield.admissible(order, budget.started, waiting,
+                                      budget.background_in_flight)
+
+    def chunk_limit(self, order: list[Sequence], waiting: WaitingQueue,
+                    background_in_flight: bool) -> ChunkLimit | None:
+        if self.shield is None:
+            return None
+        return self.shield.limit(order, waiting, background_in_flight)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from scheduler_service.admission import Budget, WaitingQueue, fitting_prefix
+from scheduler_service.chunking import ChunkLimit
 from scheduler_service.sequence import Sequence
 
 Rank = Callable[[Sequence, WaitingQueue], float]
@@ -37,9 +38,13 @@ class RankedAdmission:
         """The waiting sequences, most urgent first."""
         return sorted(waiting, key=lambda s: self._key(s, waiting))
 
+    def candidates(self, waiting: WaitingQueue, budget: Budget) -> list[Sequence]:
+        """The waiting sequences admission may take now, in its order."""
+        return self.order(waiting)
+
     def admit(self, waiting: WaitingQueue, budget: Budget) -> list[Sequence]:
         key = (lambda s: self._key(s, waiting)) if self.preemptive else None
-        admitted = fitting_prefix(self.order(waiting), budget, key)
+        admitted = fitting_prefix(self.candidates(waiting, budget), budget, key)
         for seq in admitted:
             waiting.remove(seq)
         return admitted
@@ -53,6 +58,10 @@ class RankedAdmission:
         if not self.preemptive:
             return started + admitted
         return sorted(started + admitted, key=lambda s: self._key(s, waiting))
+
+    def chunk_limit(self, order: list[Sequence], waiting: WaitingQueue,
+                    background_in_flight: bool) -> ChunkLimit | None:
+        return None
 
     def preempt(self, waiting: WaitingQueue, running: list[Sequence],
                 budget: Budget) -> list[Sequence]:
