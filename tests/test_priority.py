@@ -122,3 +122,33 @@ def test_every_api_takes_a_priority_and_refuses_a_bad_one(llama_dir, deploy):
     status, body = _post(completions, {"prompt": "hello", "max_tokens": 2, "priority": 500})
     assert status == 400 and body["error"]["param"] == "priority"
     assert "priority must be in [-100, 100]" in body["error"]["message"]
+
+
+@pytest.mark.slow
+def test_urgent_shield_keeps_outputs_identical(llama_dir, deploy):
+    """The urgent shield on the real processes (a 64-token Step budget, background chunks
+    of 16 tokens together): once an urgent request was seen, long less urgent prompts are
+    prefilled in small chunks, none beside the urgent prompts' Steps; every greedy reply
+    equals model.generate."""
+    d = deploy(llama_dir, max_num_batched_tokens=64, scheduling_policy="priority",
+               priority_background_chunk_tokens=16)
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    rng = random.Random(5)
+    first = reference.prompt_of_tokens(tok, 10, rng)
+    jobs = [(reference.prompt_of_tokens(tok, n, rng), p)
+            for n, p in ((150, 0), (90, 0), (20, -5), (120, 0), (40, -5))]
+
+    async def scenario():
+        async with AsyncClient(d.address, timeout=300) as c:
+            await c.generate(first, max_new_tokens=2, priority=-5)  # the shield is up
+
+            async def one(i, prompt, priority):
+                await asyncio.sleep(0.05 * i)
+                return await c.generate(prompt, max_new_tokens=10, priority=priority)
+            return await asyncio.gather(*(one(i, p, pr) for i, (p, pr) in enumerate(jobs)))
+
+    replies = asyncio.run(scenario())
+    # 16-token background chunks: about 23 partial ones (unshielded, 64-token ones: 7).
+    assert scrape(d.metrics_url)["seqserve_prefill_partial_chunks_total"] >= 16
+    for (prompt, _), reply in zip(jobs, replies):
+        assert reply.token_ids == reference.greedy(llama_dir, prompt, 10)
