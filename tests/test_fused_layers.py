@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LlamaConfig
 from transformers.models.llama import modeling_llama
 
 from tests.conftest import tiny_model
@@ -69,13 +70,57 @@ def test_rotary_gives_the_eager_bits(eager_rotary, dim, tokens):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def _mlp(hidden: int, inter: int, seed: int) -> modeling_llama.LlamaMLP:
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_attention_heads=4,
+                         num_key_value_heads=4)
+    torch.manual_seed(seed)
+    return modeling_llama.LlamaMLP(config).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("hidden,inter,rows", [(64, 96, 1), (48, 100, 7), (64, 1536, 300),
+                                               (32, 17, 5)])
+def test_silu_gate_product_gives_the_eager_bits(hidden, inter, rows):
+    """The MLP through the C product has the bits of transformers' eager MLP: one row
+    (decoding) to many (over the threshold where it splits over threads), widths with a
+    tail past the 16-lane blocks; float32 input runs the eager code."""
+    mlp = _mlp(hidden, inter, rows)
+    x = (torch.randn(rows, hidden, generator=torch.Generator().manual_seed(inter)) * 4)
+    with torch.inference_mode():
+        want, want32 = mlp(x.bfloat16()), mlp.float()(x)
+        mlp.bfloat16()
+        assert fused_layers.install_mlp(torch.nn.Sequential(mlp)) == 1
+        got = mlp(x.bfloat16())
+        assert torch.equal(got, want)
+        assert torch.equal(mlp.float()(x), want32)
+
+
+def test_silu_gate_product_over_every_bfloat16_gate():
+    """Every bfloat16 bit pattern as the gate (infinities, subnormals, both zeros), odd
+    length: the product has eager's bits wherever eager's is not NaN, and is NaN there."""
+    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    gate = gate[torch.randperm(gate.numel(), generator=g)][:-3]  # finite values in the tail
+    up = (torch.randn(gate.numel(), generator=g) * 8).bfloat16()
+    with torch.inference_mode():
+        want = torch.nn.functional.silu(gate) * up
+    got = gate.clone()
+    fused_layers.library().silu_mul_bf16(got.data_ptr(), up.data_ptr(), got.data_ptr(),
+                                         fused_layers.silu_table().data_ptr(), got.numel())
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
 def test_install_touches_only_llama_style_code_in_bfloat16_on_cpu():
     llama = ModelRunner(str(bf16_model("llama")), dtype="bfloat16", prepack=False).model
     assert fused_layers.install(llama) == (2 * 2 + 1, 1)  # 2 layers x 2 norms + final norm
+    assert fused_layers.install_mlp(llama) == 2
     gpt2 = ModelRunner(str(bf16_model("gpt2")), dtype="bfloat16", prepack=False).model
     assert fused_layers.install(gpt2) == (0, 0)  # LayerNorm, learned positions
+    assert fused_layers.install_mlp(gpt2) == 0  # GELU, no gate
     fp32 = ModelRunner(str(tiny_model("llama")), dtype="float32").model
     assert fused_layers.install(fp32) == (0, 0)
+    assert fused_layers.install_mlp(fp32) == 0
 
 
 def test_tokens_with_and_without_the_c_loops(monkeypatch):

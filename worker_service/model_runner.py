@@ -163,9 +163,11 @@ class ModelRunner:
             logger.info("prepacked the weights of %d linear layers for oneDNN%s", n,
                         " (this rank's shards)" if sharded else "")
         norms, rotary = (0, 0) if sharded else fused_layers.install(self.model)
-        if norms or rotary:
-            logger.info("one-pass C loops for %d RMSNorms and the rotary embedding of %d "
-                        "modeling modules", norms, rotary)
+        mlps = 0 if sharded else fused_layers.install_mlp(self.model)
+        if norms or rotary or mlps:
+            logger.info("one-pass C loops for %d RMSNorms, the rotary embedding of %d "
+                        "modeling modules and the SiLU gate product of %d MLPs", norms,
+                        rotary, mlps)
         self.kv_shape = self._kv_shape(layers)
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         if batch_invariant:

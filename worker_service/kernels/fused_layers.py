@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers.activations import SiLUActivation
 from transformers.models.llama import modeling_llama as reference
 
 from worker_service.kernels import native_build
@@ -33,6 +34,7 @@ _P, _I, _F = native_build.P, native_build.I64, native_build.F32
 FUNCTIONS = {
     "rms_norm_bf16": ([_P, _P, _P, _I, _I, _I, _I, _F], None),
     "rotary_bf16": ([_P, _P, _P, _P, _I, _I, _I, _I, _I], None),
+    "silu_mul_bf16": ([_P, _P, _P, _P, _I], None),
 }
 @functools.cache
 def library() -> ctypes.CDLL | None:
@@ -96,6 +98,54 @@ def _fused_rotary(original):
 
     apply_rotary_pos_emb.seqserve_original = original
     return apply_rotary_pos_emb
+
+
+@functools.cache
+def silu_table() -> torch.Tensor | None:
+    """torch's SiLU of every bfloat16 value, widened to float32 and indexed by its bits;
+    None if torch's vectorized and element-at-a-time loops disagree on any value but NaN
+    (a strided input takes the second), as then no one table has the bits of every call.
+    (A NaN stays NaN; its payload bits differ between torch's own loops.)"""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16)
+    with torch.inference_mode():
+        whole = torch.nn.functional.silu(x)
+        strided = torch.nn.functional.silu(torch.stack([x, x], 1)[:, 0])
+    if not torch.equal(whole.isnan(), strided.isnan()) or not torch.equal(
+            whole.nan_to_num(0.0).view(torch.int16), strided.nan_to_num(0.0).view(torch.int16)):
+        return None
+    table = torch.empty(65536, dtype=torch.float32)
+    table[bits.to(torch.int64) & 0xFFFF] = whole.float()
+    return table
+
+
+def _silu_mul(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    table = silu_table()
+    if (table is None or not _fast(gate, up) or gate.shape != up.shape
+            or not gate.is_contiguous() or not up.is_contiguous()):
+        return self.down_proj(self.act_fn(gate) * up)
+    # The product overwrites the gate, which nothing else holds.
+    library().silu_mul_bf16(gate.data_ptr(), up.data_ptr(), gate.data_ptr(),
+                            table.data_ptr(), gate.numel())
+    return self.down_proj(gate)
+
+
+def install_mlp(model: nn.Module) -> int:
+    """Route `model`'s Llama-style gated MLPs with a SiLU (`down(silu(gate(x)) * up(x))`,
+    Qwen2's and Mistral's included) through the one-pass C product where it runs in
+    bfloat16 on CPU; returns how many."""
+    p = next(model.parameters())
+    if (p.device.type != "cpu" or p.dtype != torch.bfloat16 or library() is None
+            or silu_table() is None):
+        return 0
+    mlps = 0
+    for module in model.modules():
+        if (_same_code(type(module).forward, reference.LlamaMLP.forward)
+                and type(getattr(module, "act_fn", None)) in (SiLUActivation, nn.SiLU)):
+            module.forward = types.MethodType(_silu_mul, module)
+            mlps += 1
+    return mlps
 
 
 def install(model: nn.Module) -> tuple[int, int]:

@@ -1,0 +1,95 @@
+"""The worker's step with and without the one-pass SiLU gate product, in one process.
+
+    python -m bench.step_ab MODEL_DIR [--threads 1] [--rounds 5] [--rows 1,8,32,64]
+                            [--prefills 1x2000,4x500,16x128]
+
+Each round times every step once with the C product (kernels/fused_layers.py) and once
+with transformers' eager `act_fn(gate) * up` on the same runner, which goes first
+alternating between rounds; prints the median ms of each and the median and range of the
+per-round ratios (eager / C: above 1 means the C product is faster), with the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+import types
+
+from bench.worker_step import CONTEXT, _cases, _step
+
+
+def _prefills(runner, spec: str):
+    from worker_service.kv_groups import KVGroup
+    from worker_service.packed_batch import PackedBatch
+
+    vocab = runner.facts.vocab_size
+    cases = []
+    for item in spec.split(","):
+        count, tokens = (int(x) for x in item.split("x"))
+        group = KVGroup(runner.kv_shape)
+        for i in range(count):
+            group.add_empty_row(i, tokens + 1)
+
+        def make(r, g=group, count=count, tokens=tokens):
+            b = PackedBatch(r.device, r.layer_attention)
+            for i in range(count):
+                b.add_row(g, i, [(i * 131 + j * 7919 + 11) % vocab for j in range(tokens)], 0)
+            return b
+        cases.append((f"prefill {item}", make, count))
+    return cases
+
+
+def main() -> None:
+    import torch
+
+    from worker_service.kernels import fused_layers
+    from worker_service.model_runner import ModelRunner
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rows", default="1,8,32,64")
+    p.add_argument("--prefills", default="1x2000,4x500,16x128")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    runner = ModelRunner(a.model, dtype="bfloat16")
+    mlps = [m for m in runner.model.modules()
+            if getattr(m.forward, "__func__", None) is fused_layers._silu_mul]
+    assert mlps, "no MLP runs the C product on this model"
+
+    def use(fused: bool) -> None:
+        for m in mlps:
+            m.forward = types.MethodType(fused_layers._silu_mul if fused
+                                         else type(m).forward, m)
+
+    rows = [int(x) for x in a.rows.split(",") if x]
+    cases = [(n, mk, lr) for n, mk, _, lr, _ in _cases(runner, rows, [])]
+    cases += _prefills(runner, a.prefills) if a.prefills else []
+    print(f"{a.model}: {len(mlps)} MLPs, {a.threads} threads, decode contexts "
+          f"{CONTEXT - 99}-{CONTEXT}, load average {os.getloadavg()[0]:.2f}")
+    for name, make, logit_rows in cases:
+        for fused in (True, False):
+            use(fused)
+            _step(runner, make, logit_rows)
+        times = {True: [], False: []}
+        reps = 10 if "decode" in name else 1
+        for r in range(a.rounds):
+            for fused in ((True, False) if r % 2 else (False, True)):
+                use(fused)
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    _step(runner, make, logit_rows)
+                times[fused].append((time.perf_counter() - t0) / reps)
+        ratios = sorted(e / c for e, c in zip(times[False], times[True]))
+        print(f"{name:18s} eager {statistics.median(times[False]) * 1e3:8.2f} ms  C "
+              f"{statistics.median(times[True]) * 1e3:8.2f} ms  eager/C "
+              f"{statistics.median(ratios):.3f} ({ratios[0]:.2f}-{ratios[-1]:.2f})  "
+              f"load {os.getloadavg()[0]:.2f}", flush=True)
+        use(True)
+
+
+if __name__ == "__main__":
+    main()
