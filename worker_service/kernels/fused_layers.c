@@ -125,7 +125,7 @@ void rotary_bf16(const uint16_t *x, uint16_t *y, const uint16_t *cos, const uint
 void silu_mul_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *out, const float *silu,
                    int64_t n) {
     const int64_t blocks = n / 16;
-#pragma omp parallel for schedule(static) if (n >= 4 * MIN_PARALLEL)
+#pragma omp parallel for schedule(static) if (n >= MIN_PARALLEL)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t i = b * 16;
 #ifdef HAVE_AVX512_BF16
