@@ -6,7 +6,7 @@ import logging
 import sys
 from typing import Sequence
 
-from bench import length_prediction
+from bench import length_prediction, policy_sim_report
 from bench.commands import (all_figures, ceiling, matrix, offline_batch, partition, peers,
                             policies, prefix, replicas, scheduler_cost, serve, sweep,
                             throughput)
@@ -18,7 +18,7 @@ HANDLERS = {"throughput": throughput.run, "sweep": sweep.run, "partition": parti
             "ceiling": ceiling.run, "matrix": matrix.run, "all": all_figures.run,
             "scheduler-cost": scheduler_cost.run, "replicas": replicas.run,
             "policies": policies.run, "offline-batch": offline_batch.run,
-            "length-prediction": length_prediction.run}
+            "length-prediction": length_prediction.run, "policy-sim": policy_sim_report.run}
 
 
 def main(argv: Sequence[str] | None, doc: str) -> int:

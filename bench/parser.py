@@ -13,11 +13,13 @@ from bench.commands.sweep import SWEEP_SPARSITIES, SWEEP_SPLITS
 from bench.policy_plan import (DEFAULT_BATCH_LIMIT, DEFAULT_FRACTIONS, DEFAULT_POLICIES,
                                DEFAULT_REQUESTS, DEFAULT_URGENT_FRACTION, DEFAULT_WARMUP,
                                DEFAULT_WORKLOADS, URGENT_PRIORITY)
+from bench import policy_sim_report
 from bench.peer_systems import PEERS
 from bench.workload import ARRIVALS, WORKLOADS
 
 COMMANDS = ("throughput", "sweep", "partition", "prefix", "serve", "peers", "ceiling", "matrix",
-            "all", "scheduler-cost", "replicas", "policies", "offline-batch", "length-prediction")
+            "all", "scheduler-cost", "replicas", "policies", "offline-batch", "length-prediction",
+            "policy-sim")
 
 
 def _floats(text: str) -> list[float]:
@@ -265,6 +267,7 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     lp.add_argument("--out", type=Path, default=Path("bench-results"),
                     help="where the greedy answers are cached (bench-results)")
     lp.add_argument("--log-level", default="INFO")
+    policy_sim_report.add_parser(sub)
     sub.add_parser("all", parents=[common, srv, hf, slo, prs, load, swp, prt, pfx],
                    help="every figure: peers, sweep, partition, prefix, Poisson sweep")
     return parser
