@@ -121,8 +121,9 @@ def simulate(requests: Seq[SimRequest], policy: AdmissionPolicy,
             s.start_running(t)  # its prefill_target, which the chunks are cut from
         advancing = [s for s in advancing if s.seq_id in running]
         decoding = [s for s in advancing if not s.prefilling]
-        budget.take(policy.prefill_order([s for s in advancing if s.prefilling], admitted,
-                                         waiting))
+        order = policy.prefill_order([s for s in advancing if s.prefilling], admitted, waiting)
+        # Steps run one at a time, so none in flight pays capped chunks.
+        budget.take(order, policy.chunk_limit(order, waiting, False))
         if not advancing and not admitted:
             raise RuntimeError("nothing runs and nothing can be admitted: a request's "
                                "reservation exceeds kv_tokens; raise --kv-tokens")
