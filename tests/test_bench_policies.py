@@ -86,6 +86,7 @@ def test_each_policy_is_a_server_option_that_wins_over_the_given_ones():
         "scheduling_policy": "fcfs"}
     assert policy_options("length-aware", {})["scheduling_policy"] == "length-aware"
     assert policy_options("fcfs", given)["enable_chunked_prefill"] == "true"
+    assert policy_options("priority-unshielded", given)["priority_background_chunk_tokens"] == "0"
 
 
 # --------------------------------------------------------------------------------------------
