@@ -126,6 +126,8 @@ def test_converted_copy_holds_the_files_weights_and_tokenizer(served, reference)
     assert copy_tok.decode(ids) == tok.decode(ids)
 
 
+# Slow (about 17 s): the cached conversion above is the path `make run` takes.
+@pytest.mark.slow
 def test_worker_loads_the_gguf_file_directly_without_a_cache(reference):
     from worker_service.model_runner import ModelRunner
 
