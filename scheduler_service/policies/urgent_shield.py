@@ -58,34 +58,31 @@ class UrgentShield:
         recent = [p for p, t in self._seen.items() if now - t < self.window_steps]
         return min(recent) if recent else None
 
-    def background(self, seq: Sequence, waiting: WaitingQueue) -> bool:
-        level = self.level(waiting.steps)
+    def _background(self, seq: Sequence, waiting: WaitingQueue, level: int | None) -> bool:
+        """Whether `seq` is background under `level` (the `level` of this Step)."""
         if level is None or self.rank(seq, waiting) <= level:
             return False
         begun = seq.status is Status.RUNNING and seq.prefilled > 0
         return not (begun and waiting.steps - seq.admitted_step >= self.aging_steps)
 
-    def _hold(self, seqs: Iterable[Sequence], waiting: WaitingQueue,
-              background_in_flight: bool) -> bool:
-        """Whether this Step pays no background chunk (rules 1 and 2)."""
-        return background_in_flight or any(not self.background(s, waiting) for s in seqs)
-
     def admissible(self, order: list[Sequence], started: Iterable[Sequence],
                    waiting: WaitingQueue, background_in_flight: bool) -> list[Sequence]:
         """`order` (waiting requests, most urgent first) cut before its first background
-        request when this Step pays no background chunk: such a request would be admitted
-        without a chunk."""
-        if not self._hold([*started, *order], waiting, background_in_flight):
-            return order
-        cut = next((i for i, s in enumerate(order) if self.background(s, waiting)), len(order))
-        return order[:cut]
+        request when this Step pays no background chunk (rules 1 and 2): such a request
+        would be admitted without a chunk."""
+        level = self.level(waiting.steps)
+        flags = [self._background(s, waiting, level) for s in order]
+        hold = (background_in_flight or not all(flags)
+                or any(not self._background(s, waiting, level) for s in started))
+        return order[:flags.index(True)] if hold and any(flags) else order
 
     def limit(self, order: list[Sequence], waiting: WaitingQueue,
               background_in_flight: bool) -> ChunkLimit | None:
-        """The cap on the background chunks among `order` (the Step's prompts to pay)."""
-        background = frozenset(s.seq_id for s in order if self.background(s, waiting))
+        """The cap on the background chunks among `order` (the Step's prompts to pay): 0
+        when a Step in flight pays background chunks or an urgent prompt is in `order`."""
+        level = self.level(waiting.steps)
+        background = frozenset(s.seq_id for s in order if self._background(s, waiting, level))
         if not background:
             return None
-        hold = self._hold([s for s in order if s.seq_id not in background], waiting,
-                          background_in_flight)
+        hold = background_in_flight or len(background) < len(order)
         return ChunkLimit(background, 0 if hold else self.background_chunk_tokens)
