@@ -5,7 +5,8 @@ should take. Pure: no server, no clock.
 Every policy is its own server, started with option.scheduling_policy=NAME (fcfs-unchunked:
 FCFS with enable_chunked_prefill=false, the control for chunked prefill's effect on ITL;
 priority-unshielded: priority with priority_background_chunk_tokens=0, the control for the
-urgent shield).
+urgent shield; priority-shieldN: priority with the shield's cap at N background prompt tokens
+a Step, to compare caps against the default).
 """
 
 from __future__ import annotations
@@ -30,8 +31,16 @@ POLICIES: dict[str, dict[str, str]] = {
     "mlfq": {"scheduling_policy": "mlfq"},
     "length-aware": {"scheduling_policy": "length-aware"},
 }
+# The urgent shield's cap (priority_background_chunk_tokens, default 128) is a trade:
+# lower, the Steps around an urgent prompt are shorter and background prompts' TTFT longer.
+# These servers measure other caps on the same knee and requests; by name only.
+SHIELD_CAPS = (32, 64, 256)
+POLICIES.update({f"priority-shield{cap}": {"scheduling_policy": "priority",
+                                           "priority_background_chunk_tokens": str(cap)}
+                 for cap in SHIELD_CAPS})
+BY_NAME_ONLY = frozenset({"priority-unshielded", *(f"priority-shield{c}" for c in SHIELD_CAPS)})
 CONTROL = "fcfs"  # every ratio column is taken against it
-DEFAULT_POLICIES = tuple(p for p in POLICIES if p != "priority-unshielded")
+DEFAULT_POLICIES = tuple(p for p in POLICIES if p not in BY_NAME_ONLY)
 DEFAULT_FRACTIONS = (0.5, 0.8, 1.0)  # of FCFS's knee
 DEFAULT_WORKLOADS = ("azure-conv", "azure-code", "mooncake")
 # The batch limit of every server (and vLLM's max_num_seqs). The policies differ only in

@@ -12,7 +12,7 @@ import pytest
 from bench import rate_points
 from bench.loadgen import _stream_one
 from bench.parser import build_parser
-from bench.policy_plan import (DEFAULT_REQUESTS, Speed, TraceWork, check_args,
+from bench.policy_plan import (DEFAULT_POLICIES, DEFAULT_REQUESTS, Speed, TraceWork, check_args,
                                estimate_seconds, knee_probe_s, num_requests, policy_options,
                                split_rows, urgent_class, urgent_positions, with_priority)
 from bench.policy_report import e2e_gain, itl_vs_vllm, ordered, policies_markdown, run_row
@@ -87,6 +87,14 @@ def test_each_policy_is_a_server_option_that_wins_over_the_given_ones():
     assert policy_options("length-aware", {})["scheduling_policy"] == "length-aware"
     assert policy_options("fcfs", given)["enable_chunked_prefill"] == "true"
     assert policy_options("priority-unshielded", given)["priority_background_chunk_tokens"] == "0"
+
+
+def test_shield_caps_are_priority_servers_asked_for_by_name_only():
+    for cap in (32, 64, 256):
+        assert policy_options(f"priority-shield{cap}", {"priority_background_chunk_tokens": "1"}) \
+            == {"scheduling_policy": "priority", "priority_background_chunk_tokens": str(cap)}
+    assert not [p for p in DEFAULT_POLICIES if p.startswith("priority-")]
+    assert "priority" in DEFAULT_POLICIES
 
 
 # --------------------------------------------------------------------------------------------
