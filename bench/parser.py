@@ -291,6 +291,9 @@ def _policies_parser(sub, parents) -> None:
                         "priority-shield32/64/256 (the urgent shield's cap)")
     g.add_argument("--rate-fractions", type=_floats, default=list(DEFAULT_FRACTIONS),
                    help="Poisson rates as fractions of FCFS's knee (0.5,0.8,1.0)")
+    g.add_argument("--knee-rate", type=float, default=None,
+                   help="FCFS's knee in requests/s, from an earlier run, instead of the "
+                        "probes (one trace only); the all-at-once probe still runs")
     g.add_argument("--knee-fractions", type=_floats, default=list(MATRIX_FRACTIONS),
                    help="the knee probes, fractions of FCFS's all-at-once request rate, as "
                         "the matrix's (0.5,0.75,0.9,1.1)")

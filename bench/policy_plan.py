@@ -100,6 +100,11 @@ def check_args(args) -> None:
                          ("--knee-fractions", args.knee_fractions)):
         if not values or any(not (v > 0 and math.isfinite(v)) for v in values):
             fail(f"{flag} wants positive fractions, got {values}")
+    if args.knee_rate is not None and not (args.knee_rate > 0 and math.isfinite(args.knee_rate)):
+        fail(f"--knee-rate wants a positive rate in requests/s, got {args.knee_rate}")
+    if args.knee_rate is not None and len(args.workloads) != 1:
+        fail("--knee-rate is one trace's knee: give one --workloads, got "
+             f"{','.join(args.workloads)}")
     if not 0 <= args.urgent_fraction < 1:
         fail(f"--urgent-fraction must be in [0, 1), got {args.urgent_fraction}")
     if not -100 <= args.urgent_priority <= -1:

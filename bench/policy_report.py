@@ -73,7 +73,8 @@ def trace_table(trace: dict, policies: Sequence[str]) -> str:
 def _knee_line(trace: dict) -> str:
     k = trace["knee"]
     probes = ", ".join(f"{p['rate']:g}/s" for p in k["points"] if p["rate"] is not None)
-    rule = ("FCFS's knee" if k["found"] else
+    rule = ("FCFS's knee **as given (--knee-rate), not probed**" if k.get("given") else
+            "FCFS's knee" if k["found"] else
             "**no knee: even the lowest probe failed the rule; the fractions are of that "
             "probe's rate**")
     return (f"{rule}: {f(k['rate'], 3)} requests/s (all at once {f(k['offline_rate'], 3)}/s; "

@@ -63,6 +63,8 @@ def test_the_commands_own_defaults_leave_the_other_commands_alone():
     (["--workloads", "mooncake,mooncake"], "twice"),
     (["--rate-fractions", "0.5,0"], "--rate-fractions wants positive"),
     (["--knee-fractions", "-1"], "--knee-fractions wants positive"),
+    (["--knee-rate", "0", "--workloads", "azure-conv"], "--knee-rate wants a positive"),
+    (["--knee-rate", "2.9"], "--knee-rate is one trace's knee: give one --workloads"),
     (["--urgent-fraction", "1"], "--urgent-fraction must be in"),
     (["--urgent-priority", "0"], "--urgent-priority must be in"),
     (["--urgent-priority", "-101"], "--urgent-priority must be in"),
@@ -281,6 +283,11 @@ def test_markdown_has_a_table_per_trace_with_commit_load_and_knee():
     assert "trace rows 64-67" in md and "probes 2.5/s, 3.75/s" in md
     assert md.count("no knee") == 1
     assert "| mlfq | 0.5 |" in md
+    given = trace("azure-code", True)
+    given["knee"]["given"] = True
+    assert "as given (--knee-rate), not probed" in policies_markdown({**result,
+                                                                      "traces": [given]})
+    assert "not probed" not in md
 
 
 # --------------------------------------------------------------------------------------------
@@ -314,6 +321,7 @@ def test_a_queue_may_form_when_requests_outnumber_the_slots():
     check_args(parse("--num-requests", "17"))
     check_args(parse("--num-requests", "6", "--max-rolling-batch-size", "4"))  # the smoke
     check_args(parse("--max-rolling-batch-size", "31"))
+    check_args(parse("--knee-rate", "2.9", "--workloads", "azure-conv"))
 
 
 def test_default_run_is_estimated_near_45_minutes():

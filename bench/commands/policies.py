@@ -96,8 +96,8 @@ def find_knee(args, model_dir: Path, tokenizer, t: dict, slo) -> None:
     with _target(args, model_dir, tokenizer, policy_options("fcfs", given), logdir) as tgt:
         offline, points = run_rate_points(
             tgt, tokenizer, t["name"], t["items"], t["knee_requests"],
-            sorted(args.knee_fractions), seed=args.seed, block_tokens=args.mooncake_block,
-            slo=slo, stop_past_knee=True)
+            [] if args.knee_rate else sorted(args.knee_fractions), seed=args.seed,
+            block_tokens=args.mooncake_block, slo=slo, stop_past_knee=True)
         # After the probes: the server has seen every shape by then, so a first-time cost
         # (a new GEMM shape's kernel set-up) is not taken for the idle TTFT.
         # The lead request was served by the probes already: a prefix-cache hit that warms
@@ -105,12 +105,16 @@ def find_knee(args, model_dir: Path, tokenizer, t: dict, slo) -> None:
         t["idle_ttfts_s"] = idle_ttfts(tgt, t["knee_requests"][0],
                                        [[reqs[p] for p in t["positions"]]
                                         for reqs in t["run_requests"]])
-    found = knee(curve(points))
+    # --knee-rate: an earlier run's knee, so that runs on a busy machine (whose probes
+    # would find a lower one) load the servers alike; only the all-at-once probe runs, to
+    # warm the server up before the idle TTFTs.
+    found = args.knee_rate or knee(curve(points))
     rate = found if found is not None else points[1]["rate"] if len(points) > 1 else offline
     if found is None:
         logger.warning("%s: FCFS keeps up at no probed rate; the fractions are taken of the "
                        "lowest probe, %g requests/s", t["name"], rate)
-    t["knee"] = {"rate": rate, "found": found is not None, "offline_rate": offline,
+    t["knee"] = {"rate": rate, "found": found is not None, "given": bool(args.knee_rate),
+                 "offline_rate": offline,
                  "rule": KNEE_RULE,
                  "points": [{"label": p["label"], "rate": p["rate"],
                              "fraction": p.get("fraction"),
