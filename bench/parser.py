@@ -34,6 +34,16 @@ def _list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def _choices(*allowed: str):
+    def parse(text: str) -> list[str]:
+        items = _list(text)
+        if not items or any(x not in allowed for x in items):
+            raise argparse.ArgumentTypeError(f"{text!r}: give a comma-separated list of "
+                                             f"{', '.join(allowed)}")
+        return items
+    return parse
+
+
 def _rates(text: str) -> list[float]:
     """'auto' (empty list: fractions of the offline request rate) or comma-separated rates."""
     return [] if text.strip() == "auto" else _floats(text)
@@ -244,6 +254,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     sc.add_argument("--frontend-processes", type=_ints, default=[0],
                     help="option.frontend_processes values to run each worker count with "
                          "(0: clients served by the scheduler process; e.g. 0,1)")
+    sc.add_argument("--steps-over", type=_choices("link", "grpc"), default=["link"],
+                    help="how Steps reach the fake workers, each run in turn: link (their "
+                         "direct Steps link), grpc (none offered); e.g. link,grpc")
     sc.add_argument("--profile", action="store_true",
                     help="py-spy the scheduler during each measured run (logs/*/scheduler.spy)")
     sc.add_argument("--out", type=Path, default=Path("bench-results"))

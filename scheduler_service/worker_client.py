@@ -1,4 +1,5 @@
-"""The scheduler's connection to one worker (seqserve.worker.v1 over gRPC).
+"""The scheduler's connection to one worker (seqserve.worker.v1: gRPC, and the Steps
+over the worker's direct link where it has one and this scheduler reaches it).
 
 This is the scheduler's only edge with the worker: a StepPlan goes out as a StepRequest,
 a StepResponse comes back as a StepAnswer, and Info as WorkerInfo. Nothing else in the
@@ -20,6 +21,7 @@ from scheduler_service.params import DecodingConfig
 from seqserve_common.control_auth import call_metadata
 from seqserve_common.control_channel import GRPC_MESSAGE_OPTIONS
 from seqserve_common.decoding import DecodingStrategy
+from seqserve_common.steps_link import HEADER, FrameError, frame, frame_length, link_host
 
 logger = logging.getLogger(__name__)
 
@@ -184,13 +186,89 @@ class StepStream:
         self._call.cancel()
 
 
+LINK_PROBE_TIMEOUT_S = 2.0
+
+
+async def link_reachable(host: str, port: int) -> str | None:
+    """None when a connection to the link opens; else why not (then Steps use gRPC)."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), LINK_PROBE_TIMEOUT_S)
+    except (OSError, asyncio.TimeoutError) as exc:
+        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    writer.close()  # the worker takes a close before the hello for a probe
+    return None
+
+
+class LinkStepStream:
+    """One Steps stream over the link: Steps go out in order and their answers come back in
+    that order, so several may be in flight. Every failure surfaces as StepFailed."""
+
+    def __init__(self, host: str, port: int, token: str):
+        self._where = f"{host}:{port}"
+        # Connected on first use: opening the stream must not wait (as gRPC's call does not).
+        self._connection = asyncio.ensure_future(self._connect(host, port, token))
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def _connect(self, host: str, port: int, token: str):
+        reader, writer = await asyncio.open_connection(host, port)  # TCP_NODELAY: asyncio's
+        self._writer = writer
+        writer.write(frame(worker_pb2.StepsLinkHello(control_token=token).SerializeToString()))
+        return reader, writer
+
+    async def _open(self):
+        try:
+            return await self._connection
+        except OSError as exc:
+            raise self._broken(exc) from None
+
+    def _broken(self, exc: BaseException) -> StepFailed:
+        return StepFailed("UNAVAILABLE", f"the Steps link to {self._where} broke "
+                                         f"({type(exc).__name__}: {exc})")
+
+    async def send(self, step_id: int, plan: StepPlan) -> None:
+        _, writer = await self._open()
+        if writer.is_closing():
+            raise StepFailed("UNAVAILABLE", f"the Steps link to {self._where} is closed")
+        writer.write(frame(encode_step(step_id, plan).SerializeToString()))
+        try:
+            await writer.drain()
+        except OSError as exc:
+            raise self._broken(exc) from None
+
+    async def receive(self) -> StepAnswer:
+        reader, _ = await self._open()
+        try:
+            payload = await reader.readexactly(frame_length(await reader.readexactly(HEADER.size)))
+        except (asyncio.IncompleteReadError, OSError, FrameError) as exc:
+            if isinstance(exc, asyncio.IncompleteReadError):
+                exc = ConnectionError("the worker closed it")
+            raise self._broken(exc) from None
+        message = worker_pb2.StepsLinkFrame.FromString(payload)
+        if message.HasField("error"):
+            raise StepFailed(message.error.code, message.error.details)
+        return StepAnswer.from_proto(message.response)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        elif not self._connection.done():
+            self._connection.cancel()
+        elif not self._connection.cancelled():
+            self._connection.exception()  # a failed connection, already reported or unused
+
+
 class WorkerClient:
     def __init__(self, address: str, token: str,
                  credentials: grpc.ChannelCredentials | None = None):
         """`token`: the control-plane secret (seqserve_common.control_auth); `credentials`:
         mutual TLS (seqserve_common.tls.TlsFiles.channel_credentials()), None: plaintext."""
         self.address = address
+        self._token = token
         self._metadata = call_metadata(token)
+        self._tls = credentials is not None
+        # The worker's direct Steps link as (host, port) once it proved reachable; None:
+        # Steps go over gRPC (the worker has no link, or this scheduler cannot reach it).
+        self.steps_link: tuple[str, int] | None = None
         options = [
             *GRPC_MESSAGE_OPTIONS,
             # Reconnect quickly to a restarted worker instead of gRPC's backoff of minutes.
@@ -203,8 +281,11 @@ class WorkerClient:
             self.channel = grpc.aio.secure_channel(address, credentials, options=options)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.info: WorkerInfo | None = None
+        self._link_port = 0  # the worker's steps_link_port from its last Info
 
-    def open_steps(self) -> StepStream:
+    def open_steps(self) -> StepStream | LinkStepStream:
+        if self.steps_link is not None:
+            return LinkStepStream(*self.steps_link, self._token)
         return StepStream(self.stub, self._metadata)
 
     async def reset(self) -> None:
@@ -212,8 +293,26 @@ class WorkerClient:
 
     async def fetch_info(self, timeout: float) -> WorkerInfo:
         """Info once; also renews this scheduler's lease on the worker's sequences."""
-        return WorkerInfo.from_proto(await self.stub.Info(
-            worker_pb2.InfoRequest(), timeout=timeout, metadata=self._metadata))
+        info = await self.stub.Info(worker_pb2.InfoRequest(), timeout=timeout,
+                                    metadata=self._metadata)
+        self._link_port = info.steps_link_port
+        return WorkerInfo.from_proto(info)
+
+    async def _choose_steps_link(self) -> None:
+        """Steps over the worker's direct link when it has one and it answers here; a
+        worker behind a proxy or a Service that forwards its gRPC port alone keeps gRPC."""
+        host = link_host(self.address)
+        link = (host, self._link_port) if host and self._link_port and not self._tls else None
+        problem = await link_reachable(*link) if link else None
+        if problem is not None:
+            logger.warning("worker %s offers its Steps link on port %d but it does not answer "
+                           "here (%s): Steps go over gRPC, at about twice the scheduler's "
+                           "CPU per Step; open the port (option.worker_steps_link_port) to "
+                           "this scheduler", self.address, link[1], problem)
+            link = None
+        self.steps_link = link
+        logger.info("worker %s: Steps over %s", self.address,
+                    f"the direct link (port {link[1]})" if link else "gRPC")
 
     async def wait_ready(self, timeout: float | None) -> WorkerInfo:
         """Poll Info until the worker has its model loaded; then drop its old sequences."""
@@ -223,6 +322,7 @@ class WorkerClient:
             try:
                 info = await self.fetch_info(timeout=2)
                 await self.reset()
+                await self._choose_steps_link()
                 self.info = info
                 logger.info("worker %s ready: %s (%s, %s)", self.address,
                             info.model_id, info.dtype, info.device)

@@ -146,6 +146,11 @@ OPTIONS: tuple[Option, ...] = (
            "admin API when frontend_processes >= 1 (0: any free port)"),
     Option("worker_port", int, "a port in [0, 65535]", lambda v: 0 <= v <= 65535,
            "worker gRPC port"),
+    Option("worker_steps_link_port", int, "a port in [0, 65535], or -1 to disable",
+           lambda v: -1 <= v <= 65535,
+           "worker's direct Steps link (docs/architecture.md): the Steps without gRPC's "
+           "per-message cost; 0: any free port; -1: none, Steps go over gRPC. A scheduler "
+           "that cannot reach it uses gRPC"),
     Option("worker_metrics_port", int, "a port in [0, 65535], or -1 to disable",
            lambda v: -1 <= v <= 65535, "worker Prometheus /metrics port"),
     Option("worker_addresses", _addresses, "comma-separated host:port list",
@@ -268,6 +273,7 @@ class ServingConfig:
     frontend_processes: int = 0
     core_port: int = 0
     worker_port: int = 8100
+    worker_steps_link_port: int = 0
     worker_metrics_port: int = 8101
     worker_addresses: tuple[str, ...] = ("127.0.0.1:8100",)
     max_num_batched_tokens: int = 2048

@@ -6,7 +6,9 @@ of a scheduler that went silent, and a shutdown keeps to its drain timeout."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 import signal
+import socket
 import threading
 import time
 import urllib.error
@@ -21,6 +23,8 @@ from bench.metrics import scrape
 from client import Client
 from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from seqserve_common.control_auth import METADATA_KEY
+from tests.reference import greedy
+from seqserve_common.steps_link import HEADER, frame, read_frame
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:
@@ -89,12 +93,30 @@ def test_an_unauthenticated_local_client_cannot_drive_or_read_the_worker(llama_d
                     with pytest.raises(grpc.RpcError) as err:
                         call()
                     refusals.append((err.value.code(), err.value.details()))
+        # The same theft over the direct Steps link, without a hello or with a wrong one.
+        link = ("127.0.0.1", d.worker.ports["steps_link"])
+        steal = worker_pb2.StepRequest(
+            step_id=1, groups=[worker_pb2.Group(sequence_ids=list(range(1, 9)))])
+        for hello in (b"", worker_pb2.StepsLinkHello(
+                control_token="guessed-token-0123456789").SerializeToString()):
+            with socket.create_connection(link, timeout=10) as sock:
+                if hello:
+                    sock.sendall(frame(hello))
+                sock.sendall(frame(steal.SerializeToString()))
+                answer = worker_pb2.StepsLinkFrame.FromString(read_frame(sock))
+                assert read_frame(sock) is None  # and the worker closed the link
+            refusals.append((grpc.StatusCode[answer.error.code], answer.error.details))
+        # A frame too long to be a hello is not read, only closed.
+        with socket.create_connection(link, timeout=10) as sock:
+            sock.sendall(HEADER.pack(1 << 30) + b"x" * 1024)
+            assert read_frame(sock) is None
         t.join(300)
-    assert len(refusals) == 8
+    assert len(refusals) == 10
     for code, details in refusals:
         assert code == grpc.StatusCode.UNAUTHENTICATED, (code, details)
         assert not any(ch.isdigit() for ch in details), details  # no sequence ids revealed
     assert victim == undisturbed
+    assert "Steps over the direct link" in d.scheduler.log.read_text()
     # Health and reflection stay open for probes.
     assert health(d.worker.address, "") == "SERVING"
 
@@ -192,3 +214,16 @@ def test_drain_timeout_bounds_every_request_and_late_calls_get_unavailable(llama
         elapsed = time.monotonic() - t0
         t.join(30)
     assert elapsed < 2 + 3, elapsed
+
+
+def test_a_worker_without_a_steps_link_gets_its_steps_over_grpc(llama_dir, deploy):
+    """worker_steps_link_port=-1: no link is offered and the Steps call carries the Steps,
+    with model.generate's tokens (every other test here runs over the link)."""
+    d = deploy(llama_dir, worker_options={"worker_steps_link_port": -1})
+    prompts = [PROMPT, "a short one", PROMPT]
+    with Client(d.address, timeout=300) as c, ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(
+            lambda p: c.generate(p, max_new_tokens=24, ignore_eos=True).token_ids, prompts))
+    assert d.worker.ports["steps_link"] == -1
+    assert "Steps over gRPC" in d.scheduler.log.read_text()
+    assert got[0] == got[2] == greedy(llama_dir, PROMPT, 24)

@@ -251,6 +251,9 @@ def test_public_tls_client_generates(secure, certs):
             return await c.generate("Once upon a time", max_new_tokens=5)
 
     assert asyncio.run(run()).token_ids == reply.token_ids  # greedy: the same tokens
+    # The direct Steps link has no TLS: under mutual TLS the Steps stay on gRPC.
+    assert secure.worker.ports["steps_link"] == -1
+    assert "Steps over gRPC" in secure.scheduler.log.read_text()
 
 
 def test_public_tls_refuses_plaintext_and_unknown_ca(secure, certs):

@@ -142,12 +142,22 @@ def main(argv: list[str] | None = None) -> int:
         httpd, _ = start_http_server(cfg.worker_metrics_port, addr=cfg.host,
                                      registry=metrics.registry)
         metrics_port = httpd.server_port
-    ports: dict = {"grpc": port, "metrics": metrics_port}
+    link = None
+    if cfg.worker_steps_link_port >= 0 and tls is None:
+        # With mutual TLS the Steps stay on gRPC's TLS channel: the link has no TLS of its own.
+        from worker_service.steps_link import StepsLinkServer
+
+        link = StepsLinkServer(servicer, token, cfg.host, cfg.worker_steps_link_port)
+        link.start()
+        servicer.steps_link_port = link.port
+    ports: dict = {"grpc": port, "metrics": metrics_port,
+                   "steps_link": link.port if link is not None else -1}
     if followers:  # whoever supervises the group can see (and test) its other ranks
         ports["follower_pids"] = [p.pid for p in followers]
     write_port_file(args.port_file, ports)
-    logger.info("worker listening on %s:%d (%s, metrics %d); loading %s", cfg.host, port,
-                "mutual TLS" if tls is not None else "plaintext", metrics_port, cfg.model_id)
+    logger.info("worker listening on %s:%d (%s, metrics %d, steps link %d); loading %s",
+                cfg.host, port, "mutual TLS" if tls is not None else "plaintext", metrics_port,
+                ports["steps_link"], cfg.model_id)
     if tls is None and cfg.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("worker listening on %s without mutual TLS: the control-plane token "
                        "travels in plaintext (see docs/security.md)", cfg.host)
@@ -160,7 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("worker shutting down")
         stop_lease.set()
         health_servicer.enter_graceful_shutdown()
-        server.stop(grace=5).wait()
+        stopped = server.stop(grace=5)
+        if link is not None:
+            link.stop(grace=5)
+        stopped.wait()
         compute.shutdown()
 
     def on_signal(*_) -> None:

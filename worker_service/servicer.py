@@ -10,6 +10,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Executor, Future
 
 import grpc
@@ -88,6 +89,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.lease_seconds = lease_seconds
         self._last_contact = time.monotonic()
         self._steps_pending = 0
+        self.steps_link_port = 0  # the direct Steps link's, once it listens (0: none)
 
     def _renew(self) -> None:
         self._last_contact = time.monotonic()
@@ -131,7 +133,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             model_id=f.model_id, architecture=f.architecture, vocab_size=f.vocab_size,
             eos_token_ids=list(f.eos_token_ids), max_position_embeddings=f.max_position_embeddings,
             dtype=f.dtype, device=f.device,
-            kv_capacity_tokens=self.kv_capacity_tokens)
+            kv_capacity_tokens=self.kv_capacity_tokens, steps_link_port=self.steps_link_port)
 
     def Reset(self, request, context):
         engine = self._ready(context)
@@ -143,9 +145,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.ResetResponse()
 
     def Steps(self, request_iterator, context):
-        """Steps in the order they arrive, each queued for the compute thread as soon as it
-        is read, so the next one is waiting there when the current one ends."""
-        engine = self._ready(context)
+        self._ready(context)
+        try:
+            yield from self.run_steps(request_iterator)
+        except StepError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+
+    def run_steps(self, request_iterator: Iterator) -> Iterator[worker_pb2.StepResponse]:
+        """One Steps stream, whatever carries it (the gRPC call or the direct link): Steps
+        in the order they arrive, each queued for the compute thread as soon as it is read,
+        so the next one is waiting there when the current one ends. Raises StepError when
+        the stream must end (a Step failed, or a Reset came after the stream opened)."""
+        engine = self.engine
+        if engine is None:
+            raise StepError("worker is still loading its model; retry")
         queued: queue.SimpleQueue = queue.SimpleQueue()
         with self._lock:
             generation = self._generation
@@ -169,13 +182,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         threading.Thread(target=read, name="steps-reader", daemon=True).start()
         while (item := queued.get()) is not None:
             if isinstance(item, StepError):
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(item))
+                raise item
             request, future = item
-            try:
-                result = future.result()
-            except StepError as exc:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            yield self._response(request, result)
+            yield self._response(request, future.result())  # a failed Step raises StepError
 
     def _submit(self, engine: Engine, request) -> Future:
         prefill = [prefill_from_proto(ns) for ns in request.prefill]

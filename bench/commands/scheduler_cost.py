@@ -18,6 +18,7 @@ placement spreads them by load) and records
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -71,13 +72,16 @@ def children(pid: int) -> list[int]:
             for c in (task / "children").read_text().split()]
 
 
-def run_one(args, tokenizer, n_workers: int, frontends: int, logdir: Path) -> dict:
+def run_one(args, tokenizer, n_workers: int, frontends: int, steps_over: str,
+            logdir: Path) -> dict:
     eos = sorted({tokenizer.eos_token_id} - {None})
     fake = spawn("fake-workers", "bench.fake_workers",
                  ["--workers", str(n_workers), "--step-ms", str(args.step_ms),
                   "--vocab-size", str(len(tokenizer)), "--kv-tokens", str(args.kv_tokens),
                   "--stats-file", str(logdir / "fake-workers.stats.json"),
-                  *[f"--eos={e}" for e in eos]], logdir, wait_ready=False)
+                  *[f"--eos={e}" for e in eos],
+                  *(["--no-steps-link"] if steps_over == "grpc" else [])],
+                 logdir, wait_ready=False)
     sched = None
     try:
         addresses = ",".join(f"127.0.0.1:{p}" for p in fake.ports["grpc"])
@@ -121,7 +125,8 @@ def run_one(args, tokenizer, n_workers: int, frontends: int, logdir: Path) -> di
     per_step = cpu / steps
     tokens = len(requests) * args.output_len
     return {
-        "workers": n_workers, "frontend_processes": frontends, "frontend_cpu_s": fe_cpu,
+        "workers": n_workers, "frontend_processes": frontends, "steps_over": steps_over,
+        "frontend_cpu_s": fe_cpu,
         "frontend_cpu_per_token_us": fe_cpu / tokens * 1e6,
         "requests": len(requests), "steps": steps,
         "wall_s": wall, "scheduler_cpu_s": cpu,
@@ -148,14 +153,17 @@ def markdown(result: dict) -> str:
              f"{a['per_worker']}; load average {result['env']['load_average']} at start.",
              "", "Front ends 0: clients served by the scheduler process; N: by N front-end "
              "processes, and the scheduler columns are the core's.",
-             "", "| workers | front ends | Steps | sequences per Step | scheduler CPU per Step ms "
+             "Steps over: link, the workers' direct Steps link; grpc, the Steps call.",
+             "", "| workers | front ends | Steps over | Steps | sequences per Step "
+             "| scheduler CPU per Step ms "
              "| share of the Step | scheduler CPU per token us | front ends' CPU per token us "
              "| scheduler CPU / wall | Steps per worker per s (ideal) | worker idle "
              "| output tokens/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
         lines.append(
-            f"| {r['workers']} | {r['frontend_processes']} | {r['steps']:.0f} | "
+            f"| {r['workers']} | {r['frontend_processes']} | {r['steps_over']} | "
+            f"{r['steps']:.0f} | "
             f"{r['sequences_per_step']:.1f} | "
             f"{r['scheduler_cpu_per_step_ms']:.2f} | {r['share_of_step']:.1%} | "
             f"{r['scheduler_cpu_per_token_us']:.0f} | {r['frontend_cpu_per_token_us']:.0f} | "
@@ -173,19 +181,22 @@ def run(args) -> dict:
     env = environment()
     runs = []
     for n in args.workers:
-        for fe in args.frontend_processes:  # alternated, so a change of load hits both
-            logdir = out / "logs" / f"scheduler-cost-{n}-fe{fe}"
+        # alternated, so a change of load hits every variant
+        for fe, over in itertools.product(args.frontend_processes, args.steps_over):
+            logdir = out / "logs" / f"scheduler-cost-{n}-fe{fe}-{over}"
             logdir.mkdir(parents=True, exist_ok=True)
-            r = run_one(args, tokenizer, n, fe, logdir)
-            logger.info("%d workers, %d front ends: %.2f ms scheduler CPU per Step (%.1f%% of "
-                        "%g ms), utilization %.0f%%, worker idle %.0f%%", n, fe,
-                        r["scheduler_cpu_per_step_ms"], 100 * r["share_of_step"], args.step_ms,
-                        100 * r["scheduler_utilization"], 100 * r["worker_idle_share"])
+            r = run_one(args, tokenizer, n, fe, over, logdir)
+            logger.info("%d workers, %d front ends, Steps over %s: %.2f ms scheduler CPU per "
+                        "Step (%.1f%% of %g ms), utilization %.0f%%, worker idle %.0f%%", n, fe,
+                        over, r["scheduler_cpu_per_step_ms"], 100 * r["share_of_step"],
+                        args.step_ms, 100 * r["scheduler_utilization"],
+                        100 * r["worker_idle_share"])
             runs.append(r)
     result = {"benchmark": "scheduler-cost", "command": command_line(), "env": env,
               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                        if k in ("step_ms", "per_worker", "prompt_len", "output_len", "model",
-                                "workers", "seed", "kv_tokens", "frontend_processes")},
+                                "workers", "seed", "kv_tokens", "frontend_processes",
+                                "steps_over")},
               "runs": runs}
     md = markdown(result)
     write(out, "scheduler-cost", result, md)

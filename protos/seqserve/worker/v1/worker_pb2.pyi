@@ -21,7 +21,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "eos_token_ids", "max_position_embeddings", "dtype", "device", "kv_capacity_tokens")
+    __slots__ = ("model_id", "architecture", "vocab_size", "eos_token_ids", "max_position_embeddings", "dtype", "device", "kv_capacity_tokens", "steps_link_port")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class InfoResponse(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_LINK_PORT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -38,7 +39,8 @@ class InfoResponse(_message.Message):
     dtype: str
     device: str
     kv_capacity_tokens: int
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ...) -> None: ...
+    steps_link_port: int
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., steps_link_port: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("strategy", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "seed", "penalty_alpha", "logprobs", "beam")
@@ -205,3 +207,25 @@ class ResetRequest(_message.Message):
 class ResetResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class StepsLinkHello(_message.Message):
+    __slots__ = ("control_token",)
+    CONTROL_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    control_token: str
+    def __init__(self, control_token: _Optional[str] = ...) -> None: ...
+
+class StepsLinkError(_message.Message):
+    __slots__ = ("code", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    details: str
+    def __init__(self, code: _Optional[str] = ..., details: _Optional[str] = ...) -> None: ...
+
+class StepsLinkFrame(_message.Message):
+    __slots__ = ("response", "error")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    response: StepResponse
+    error: StepsLinkError
+    def __init__(self, response: _Optional[_Union[StepResponse, _Mapping]] = ..., error: _Optional[_Union[StepsLinkError, _Mapping]] = ...) -> None: ...

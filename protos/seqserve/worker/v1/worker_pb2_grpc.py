@@ -70,6 +70,8 @@ class WorkerServicer:
         answers each in that order, so the scheduler may send step n+1 before step
         n's answer arrives and the worker never waits for a round trip between steps. A
         failed Step ends the stream with its error; the Steps sent after it are dropped.
+        The same Steps also run over the worker's direct Steps link (InfoResponse's
+        steps_link_port), which a scheduler that reaches the port prefers.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
