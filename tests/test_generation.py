@@ -41,10 +41,11 @@ def check_against_reference(model_dir, requests, replies) -> None:
         assert reply.finish_reason in ("length", "eos")
 
 
-# make test runs llama (about 14 s); the others run in the slow suite, and
-# test_architectures and test_beam cover more shapes with fewer requests.
-@pytest.mark.parametrize("arch", [pytest.param(a, marks=() if a == "llama"
-                                               else pytest.mark.slow) for a in ARCHITECTURES])
+# All in the slow suite: make test runs the same 48 staggered llama requests through two
+# data-parallel workers (test_data_parallel.py), and test_architectures and test_beam
+# cover more shapes with fewer requests.
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_48_staggered_requests_match_generate(arch, deploy):
     model_dir = tiny_model(arch)
     d = deploy(model_dir)
