@@ -22,7 +22,8 @@ from grpc_reflection.v1alpha import reflection_pb2
 from bench.metrics import scrape
 from client import Client
 from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
-from seqserve_common.control_auth import METADATA_KEY
+from seqserve_common.config import ServingConfig
+from seqserve_common.control_auth import METADATA_KEY, control_token
 from tests.reference import greedy
 from seqserve_common.steps_link import HEADER, frame, read_frame
 
@@ -117,6 +118,18 @@ def test_an_unauthenticated_local_client_cannot_drive_or_read_the_worker(llama_d
         assert not any(ch.isdigit() for ch in details), details  # no sequence ids revealed
     assert victim == undisturbed
     assert "Steps over the direct link" in d.scheduler.log.read_text()
+    # With the token, a Step the worker refuses ends the link with the reason, also when
+    # another Step follows it, and the link closes once we have read it and closed ours.
+    bad = frame(worker_pb2.StepRequest(step_id=1, chunks=[
+        worker_pb2.PrefillChunk(sequence_id=10**6, end=4)] * 2).SerializeToString())
+    with socket.create_connection(link, timeout=10) as sock:
+        sock.sendall(frame(worker_pb2.StepsLinkHello(
+            control_token=control_token(ServingConfig())).SerializeToString()) + bad + bad)
+        answer = worker_pb2.StepsLinkFrame.FromString(read_frame(sock))
+        assert answer.error.code == "FAILED_PRECONDITION", answer
+        assert "two prefill chunks" in answer.error.details
+        sock.shutdown(socket.SHUT_WR)
+        assert read_frame(sock) is None
     # Health and reflection stay open for probes.
     assert health(d.worker.address, "") == "SERVING"
 

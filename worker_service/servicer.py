@@ -173,8 +173,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         self._renew()
                         self._steps_pending += 1
                         future = self._submit(engine, request)
-                        future.add_done_callback(self._step_done)
-                        queued.put((request, future))
+                    # Outside the lock: a Step refused at once is done already, and its
+                    # callback, which takes the lock, runs right here.
+                    future.add_done_callback(self._step_done)
+                    queued.put((request, future))
             except Exception as exc:  # noqa: BLE001 - the stream broke; the reply loop ends
                 logger.debug("step stream closed while reading: %s", exc)
             queued.put(None)

@@ -25,6 +25,8 @@ from worker_service.engine import StepError
 from worker_service.servicer import WorkerServicer
 
 logger = logging.getLogger(__name__)
+# Seconds a connection stays open after the worker's last frame for the peer to close it.
+LINGER_S = 2.0
 
 
 class StepsLinkServer:
@@ -73,10 +75,11 @@ class StepsLinkServer:
         try:
             if self._authenticated(conn, peer):
                 self._run(conn)
+            else:
+                _linger(conn, lambda: _read_to_end(conn))
         except OSError as exc:
             logger.debug("steps link from %s ended: %s", peer, exc)
         finally:
-            _finish(conn)
             with self._ended:
                 self._connections.discard(conn)
                 self._ended.notify_all()
@@ -100,10 +103,12 @@ class StepsLinkServer:
         return True
 
     def _run(self, conn: socket.socket) -> None:
+        requests = _Requests(conn)
         try:
-            for response in self._servicer.run_steps(_requests(conn)):
+            for response in self._servicer.run_steps(requests):
                 conn.sendall(frame(worker_pb2.StepsLinkFrame(
                     response=response).SerializeToString()))
+            return  # the scheduler closed the stream
         except StepError as exc:
             _send_error(conn, "FAILED_PRECONDITION", str(exc))
         except OSError:
@@ -111,13 +116,25 @@ class StepsLinkServer:
         except Exception as exc:  # noqa: BLE001 - the scheduler must learn why its stream ended
             logger.exception("steps link: a Step failed")
             _send_error(conn, "INTERNAL", f"{type(exc).__name__}: {exc}")
+        # The stream's reader thread still reads the Steps sent after the failed one (the
+        # servicer drops them) until the scheduler, having read our error, closes.
+        _linger(conn, lambda: requests.ended.wait(LINGER_S))
 
 
-def _requests(conn: socket.socket) -> Iterator[worker_pb2.StepRequest]:
+class _Requests:
     """The StepRequests a connection sends, until it closes (or sends a bad frame: then
-    the stream ends like a broken gRPC call)."""
-    while (payload := read_frame(conn)) is not None:
-        yield worker_pb2.StepRequest.FromString(payload)
+    the stream ends like a broken gRPC call); `ended` is set once no more will come."""
+
+    def __init__(self, conn: socket.socket):
+        self._conn = conn
+        self.ended = threading.Event()
+
+    def __iter__(self) -> Iterator[worker_pb2.StepRequest]:
+        try:
+            while (payload := read_frame(self._conn)) is not None:
+                yield worker_pb2.StepRequest.FromString(payload)
+        finally:
+            self.ended.set()
 
 
 def _send_error(conn: socket.socket, code: str, details: str) -> None:
@@ -128,12 +145,21 @@ def _send_error(conn: socket.socket, code: str, details: str) -> None:
         pass  # the scheduler is gone already
 
 
-def _finish(conn: socket.socket) -> None:
-    """Close after the last frame so that it arrives: a close with the peer's frames still
-    unread would reset the connection, and the reset can discard our frame on its way."""
+def _linger(conn: socket.socket, until_peer_closed) -> None:
+    """End our side after our last frame and wait (at most LINGER_S) for the peer to close
+    its own: closing with the peer's frames still unread would reset the connection, and a
+    reset can discard our last frame before the peer reads it."""
     try:
         conn.shutdown(socket.SHUT_WR)
-        conn.settimeout(1.0)
+    except OSError:
+        return
+    until_peer_closed()
+
+
+def _read_to_end(conn: socket.socket) -> None:
+    """Read and drop what the peer sends until it closes (no other thread reads `conn`)."""
+    conn.settimeout(LINGER_S)
+    try:
         while conn.recv(1 << 16):
             pass
     except OSError:
