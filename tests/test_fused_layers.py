@@ -1,16 +1,19 @@
-"""The one-pass C norm and rotary embedding against transformers' eager code."""
+"""The one-pass C norm, rotary embedding and SiLU gate product, and the stacked q/k/v
+product, against transformers' eager code."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Qwen2Config
 from transformers.models.llama import modeling_llama
+from transformers.models.qwen2 import modeling_qwen2
 
 from tests.conftest import tiny_model
 from worker_service.engine import Engine
 from worker_service.fixtures import make_model
-from worker_service.kernels import fused_layers
+from worker_service.kernels import fused_layers, fused_projections
+from worker_service.kernels.linear_prepack import PrepackedLinear
 from worker_service.model_runner import ModelRunner
 from worker_service.sequence import DecodingParams
 from worker_service.step import PrefillSpec
@@ -142,3 +145,51 @@ def test_tokens_with_and_without_the_c_loops(monkeypatch):
     for a, b in zip(*outs):
         assert [(s, t) for s, t, _ in a] == [(s, t) for s, t, _ in b]
         assert max(abs(x[2] - y[2]) for x, y in zip(a, b)) < 0.02
+
+
+def _decode(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[tuple]]:
+    engine = Engine(runner)
+    results = [engine.step([], [PrefillSpec(i, p, 0, DecodingParams(logprobs=0))
+                                for i, p in enumerate(prompts)], [[0, 1], [2, 3]])]
+    for _ in range(steps):
+        results.append(engine.step([], [], [[0, 1], [2, 3]]))
+    return [sorted((t.seq_id, t.token_id, t.logprob) for t in s.tokens) for s in results]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_stacked_qkv_product_gives_the_same_bits(monkeypatch, arch):
+    """One product for q, k and v (with Qwen2's biases) gives the three products' bits:
+    the same tokens and log-probabilities to the last bit, prompts and decoding."""
+    prompts = [[5 + i * 7 + j for j in range(3 + 11 * i)] for i in range(4)]
+    stacked = ModelRunner(str(bf16_model(arch)), dtype="bfloat16")
+    attn = stacked.model.model.layers[0].self_attn
+    assert isinstance(attn.k_proj, fused_projections.ProductSlice)
+    with_stack = _decode(stacked, prompts, 6)
+    monkeypatch.setattr(fused_projections, "fuse_qkv", lambda model, min_rows=1: 0)
+    separate = ModelRunner(str(bf16_model(arch)), dtype="bfloat16")
+    assert not isinstance(separate.model.model.layers[0].self_attn.k_proj,
+                          fused_projections.ProductSlice)
+    assert with_stack == _decode(separate, prompts, 6)
+
+
+def test_qkv_stacking_leaves_other_code_and_dtypes_alone():
+    fp32 = ModelRunner(str(tiny_model("llama")), dtype="float32").model
+    assert fused_projections.fuse_qkv(fp32) == 0
+    gpt2 = ModelRunner(str(bf16_model("gpt2")), dtype="bfloat16").model  # c_attn: its own
+    assert fused_projections.fuse_qkv(gpt2) == 0
+
+
+def test_stacked_qkv_product_with_biases():
+    """The fixtures' biases are zero: here Qwen2's q/k/v biases are random."""
+    config = Qwen2Config(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=1, vocab_size=32)
+    attn = modeling_qwen2.Qwen2Attention(config, 0).to(torch.bfloat16)
+    torch.manual_seed(3)
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    for p in projections:
+        torch.nn.init.normal_(p.bias)
+    x = torch.randn(1, 7, 64, dtype=torch.bfloat16)
+    expected = [PrepackedLinear(p)(x) for p in projections]
+    assert fused_projections.fuse_qkv(attn) == 1
+    assert all(torch.equal(p(x), e) for p, e in
+               zip((attn.q_proj, attn.k_proj, attn.v_proj), expected))

@@ -17,7 +17,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from seqserve_common.model_source import gguf_kwargs, model_files
 from worker_service import attention, batch_invariance, tensor_parallel
-from worker_service.kernels import fused_layers, linear_prepack, native_attention, sharded_prepack
+from worker_service.kernels import (fused_layers, fused_projections, linear_prepack,
+                                    native_attention, sharded_prepack)
 from worker_service.fallback import OwnAttention
 from worker_service.kv_groups import KVGroup, KVShape
 from worker_service.packed_batch import PackedBatch, PackedCache, StatelessCache
@@ -156,12 +157,15 @@ class ModelRunner:
         # stay off under tensor parallelism.
         sharded = bool(shard)
         if prepack and linear_prepack.supported(self.model):
+            min_rows = batch_invariance.MIN_ROWS if batch_invariant else 1
+            qkv = 0 if sharded else fused_projections.fuse_qkv(self.model, min_rows)
             n = (sharded_prepack.prepack_sharded_linears(self.model) if sharded else
-                 linear_prepack.prepack_linears(
-                     self.model, batch_invariance.MIN_ROWS if batch_invariant else 1))
+                 linear_prepack.prepack_linears(self.model, min_rows) + 3 * qkv)
             self.lm_head = self.model.get_output_embeddings()
-            logger.info("prepacked the weights of %d linear layers for oneDNN%s", n,
-                        " (this rank's shards)" if sharded else "")
+            logger.info("prepacked the weights of %d linear layers for oneDNN%s%s", n,
+                        " (this rank's shards)" if sharded else "",
+                        f", the query, key and value ones of {qkv} layers as one product"
+                        if qkv else "")
         norms, rotary = (0, 0) if sharded else fused_layers.install(self.model)
         mlps = 0 if sharded else fused_layers.install_mlp(self.model)
         if norms or rotary or mlps:

@@ -44,7 +44,7 @@ def library() -> ctypes.CDLL | None:
                                FUNCTIONS)
 
 
-def _same_code(fn, ref) -> bool:
+def same_code(fn, ref) -> bool:
     """Whether `fn` compiles to the same bytecode as `ref` (docstrings aside)."""
     a = getattr(inspect.unwrap(fn), "__code__", None)
     b = getattr(inspect.unwrap(ref), "__code__", None)
@@ -141,7 +141,7 @@ def install_mlp(model: nn.Module) -> int:
         return 0
     mlps = 0
     for module in model.modules():
-        if (_same_code(type(module).forward, reference.LlamaMLP.forward)
+        if (same_code(type(module).forward, reference.LlamaMLP.forward)
                 and type(getattr(module, "act_fn", None)) in (SiLUActivation, nn.SiLU)):
             module.forward = types.MethodType(_silu_mul, module)
             mlps += 1
@@ -157,7 +157,7 @@ def install(model: nn.Module) -> tuple[int, int]:
         return 0, 0
     norms = 0
     for module in model.modules():
-        if _same_code(type(module).forward, reference.LlamaRMSNorm.forward):
+        if same_code(type(module).forward, reference.LlamaRMSNorm.forward):
             module.forward = types.MethodType(_rms_norm, module)
             norms += 1
     modeling = {sys.modules[type(m).__module__] for m in model.modules()}
@@ -167,8 +167,8 @@ def install(model: nn.Module) -> tuple[int, int]:
         if fn is None or hasattr(fn, "seqserve_original"):
             patched += fn is not None
             continue
-        if (_same_code(fn, reference.apply_rotary_pos_emb)
-                and _same_code(getattr(mod, "rotate_half", None), reference.rotate_half)):
+        if (same_code(fn, reference.apply_rotary_pos_emb)
+                and same_code(getattr(mod, "rotate_half", None), reference.rotate_half)):
             # Module-wide, as the model's attention looks the function up there; other
             # models of this family in the process fall through to the original.
             mod.apply_rotary_pos_emb = _fused_rotary(fn)

@@ -1,0 +1,95 @@
+"""One product for an attention layer's query, key and value projections (bfloat16, CPU).
+
+Eager attention multiplies the same hidden states by three weights; on CPU each product is
+a oneDNN call with its own dispatch and OpenMP region (about 25 us of overhead a call here,
+and on a shared machine a region can wait out another process's time slice). With the
+three weights stacked into one prepacked weight, one call computes all three: oneDNN
+reduces every output column in the same order whatever the weight's height, so the bits
+equal the three products (tests/test_fused_layers.py checks it on the fixtures' shapes;
+vLLM stacks them the same way, as QKVParallelLinear).
+
+The model's own attention code is kept: `q_proj`, `k_proj` and `v_proj` become slices of
+one shared product, computed when the first of them is called with a hidden-states
+tensor and handed out to the other two for that same tensor. Only attention classes whose
+forward is known to call the three on one input are changed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.models.llama import modeling_llama
+from transformers.models.mistral import modeling_mistral
+from transformers.models.qwen2 import modeling_qwen2
+
+from worker_service.kernels.fused_layers import same_code
+from worker_service.kernels.linear_prepack import PrepackedLinear
+
+# Attention forwards that call q_proj, k_proj and v_proj once each on the same tensor.
+KNOWN_FORWARDS = (modeling_llama.LlamaAttention.forward,
+                  modeling_mistral.MistralAttention.forward,
+                  modeling_qwen2.Qwen2Attention.forward)
+NAMES = ("q_proj", "k_proj", "v_proj")
+
+
+class SharedProduct(nn.Module):
+    """The stacked product, computed once per input tensor for the slices that share it."""
+
+    def __init__(self, linear: PrepackedLinear, parts: int):
+        super().__init__()
+        self.linear = linear
+        self._parts = parts
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+        self._served = 0
+
+    def take(self, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        if x is not self._input:  # identity: a new tensor, whatever its values
+            self._input, self._output, self._served = x, self.linear(x), 0
+        out = self._output[..., lo:hi]
+        self._served += 1
+        if self._served == self._parts:  # every slice taken: hold nothing between layers
+            self._input = self._output = None
+        return out
+
+
+class ProductSlice(nn.Module):
+    """Stands for one projection: columns [lo, hi) of the shared product."""
+
+    def __init__(self, product: SharedProduct, lo: int, hi: int):
+        super().__init__()
+        self.product, self.lo, self.hi = product, lo, hi
+        self.in_features, self.out_features = product.linear.in_features, hi - lo
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product.take(x, self.lo, self.hi)
+
+
+def fuse_qkv(model: nn.Module, min_rows: int = 1) -> int:
+    """Stack the q/k/v weights of `model`'s known attention layers into one prepacked
+    product each (bfloat16 on CPU, before the other linears are prepacked); returns how
+    many layers."""
+    fused = 0
+    for module in model.modules():
+        linears = [getattr(module, n, None) for n in NAMES]
+        if (not any(same_code(type(module).forward, ref) for ref in KNOWN_FORWARDS)
+                or any(type(p) is not nn.Linear for p in linears)):
+            continue
+        weights = [p.weight for p in linears]
+        if (any(w.dtype != torch.bfloat16 or w.device.type != "cpu" for w in weights)
+                or len({p.in_features for p in linears}) != 1
+                or len({p.bias is None for p in linears}) != 1):
+            continue
+        stacked = nn.Linear(linears[0].in_features, sum(p.out_features for p in linears),
+                            bias=linears[0].bias is not None, dtype=torch.bfloat16)
+        with torch.no_grad():
+            stacked.weight.copy_(torch.cat([w.detach() for w in weights]))
+            if stacked.bias is not None:
+                stacked.bias.copy_(torch.cat([p.bias.detach() for p in linears]))
+        product = SharedProduct(PrepackedLinear(stacked, min_rows), len(linears))
+        lo = 0
+        for name, p in zip(NAMES, linears):
+            setattr(module, name, ProductSlice(product, lo, lo + p.out_features))
+            lo += p.out_features
+        fused += 1
+    return fused
