@@ -1,12 +1,15 @@
-"""The worker's step with and without the one-pass SiLU gate product, in one process.
+"""The worker's step with and without one of its CPU fast paths, in one process.
 
-    python -m bench.step_ab MODEL_DIR [--threads 1] [--rounds 5] [--rows 1,8,32,64]
-                            [--prefills 1x2000,4x500,16x128]
+    python -m bench.step_ab MODEL_DIR [--change silu|qkv] [--threads 1] [--rounds 5]
+                            [--rows 1,8,32,64] [--prefills 1x2000,4x500,16x128]
 
-Each round times every step once with the C product (kernels/fused_layers.py) and once
-with transformers' eager `act_fn(gate) * up` on the same runner, which goes first
-alternating between rounds; prints the median ms of each and the median and range of the
-per-round ratios (eager / C: above 1 means the C product is faster), with the load average.
+--change silu: the one-pass SiLU gate product (kernels/fused_layers.py) against
+transformers' eager `act_fn(gate) * up`, on one runner. --change qkv: the stacked q/k/v
+product (kernels/fused_projections.py) against three products, on two runners of the
+same model. Each round times every step once with the fast path and once without, which
+goes first alternating between rounds; prints the median ms of each and the median and
+range of the per-round ratios (without / with: above 1 means the fast path is faster),
+with the load average.
 """
 
 from __future__ import annotations
@@ -41,54 +44,76 @@ def _prefills(runner, spec: str):
     return cases
 
 
-def main() -> None:
-    import torch
-
+def _silu_variants(model: str):
+    """One runner; the MLPs' forward switched between the C product and eager code."""
     from worker_service.kernels import fused_layers
     from worker_service.model_runner import ModelRunner
 
+    runner = ModelRunner(model, dtype="bfloat16")
+    mlps = [m for m in runner.model.modules()
+            if getattr(m.forward, "__func__", None) is fused_layers._silu_mul]
+    assert mlps, "no MLP runs the C product on this model"
+
+    def use(fast: bool):
+        for m in mlps:
+            m.forward = types.MethodType(fused_layers._silu_mul if fast
+                                         else type(m).forward, m)
+        return runner
+    return use, f"{len(mlps)} MLPs"
+
+
+def _qkv_variants(model: str):
+    """Two runners of the model, with and without the stacked q/k/v product."""
+    from worker_service.kernels import fused_projections
+    from worker_service.model_runner import ModelRunner
+
+    fast = ModelRunner(model, dtype="bfloat16")
+    stacked = sum(isinstance(m, fused_projections.SharedProduct) for m in fast.model.modules())
+    assert stacked, "no attention layer takes the stacked product on this model"
+    fuse, fused_projections.fuse_qkv = fused_projections.fuse_qkv, lambda m, min_rows=1: 0
+    try:
+        plain = ModelRunner(model, dtype="bfloat16")
+    finally:
+        fused_projections.fuse_qkv = fuse
+    return (lambda on: fast if on else plain), f"{stacked} stacked q/k/v products"
+
+
+def main() -> None:
+    import torch
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
+    p.add_argument("--change", choices=("silu", "qkv"), default="silu")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--rows", default="1,8,32,64")
     p.add_argument("--prefills", default="1x2000,4x500,16x128")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    runner = ModelRunner(a.model, dtype="bfloat16")
-    mlps = [m for m in runner.model.modules()
-            if getattr(m.forward, "__func__", None) is fused_layers._silu_mul]
-    assert mlps, "no MLP runs the C product on this model"
-
-    def use(fused: bool) -> None:
-        for m in mlps:
-            m.forward = types.MethodType(fused_layers._silu_mul if fused
-                                         else type(m).forward, m)
-
+    use, what = (_silu_variants if a.change == "silu" else _qkv_variants)(a.model)
+    runner = use(True)
     rows = [int(x) for x in a.rows.split(",") if x]
     cases = [(n, mk, lr) for n, mk, _, lr, _ in _cases(runner, rows, [])]
     cases += _prefills(runner, a.prefills) if a.prefills else []
-    print(f"{a.model}: {len(mlps)} MLPs, {a.threads} threads, decode contexts "
+    print(f"{a.model}: {what}, {a.threads} threads, decode contexts "
           f"{CONTEXT - 99}-{CONTEXT}, load average {os.getloadavg()[0]:.2f}")
     for name, make, logit_rows in cases:
-        for fused in (True, False):
-            use(fused)
-            _step(runner, make, logit_rows)
+        for fast in (True, False):
+            _step(use(fast), make, logit_rows)
         times = {True: [], False: []}
         reps = 10 if "decode" in name else 1
         for r in range(a.rounds):
-            for fused in ((True, False) if r % 2 else (False, True)):
-                use(fused)
+            for fast in ((True, False) if r % 2 else (False, True)):
+                runner = use(fast)
                 t0 = time.perf_counter()
                 for _ in range(reps):
                     _step(runner, make, logit_rows)
-                times[fused].append((time.perf_counter() - t0) / reps)
+                times[fast].append((time.perf_counter() - t0) / reps)
         ratios = sorted(e / c for e, c in zip(times[False], times[True]))
-        print(f"{name:18s} eager {statistics.median(times[False]) * 1e3:8.2f} ms  C "
-              f"{statistics.median(times[True]) * 1e3:8.2f} ms  eager/C "
+        print(f"{name:18s} without {statistics.median(times[False]) * 1e3:8.2f} ms  with "
+              f"{statistics.median(times[True]) * 1e3:8.2f} ms  without/with "
               f"{statistics.median(ratios):.3f} ({ratios[0]:.2f}-{ratios[-1]:.2f})  "
               f"load {os.getloadavg()[0]:.2f}", flush=True)
-        use(True)
 
 
 if __name__ == "__main__":
