@@ -1,12 +1,12 @@
 """The worker's step with and without one of its CPU fast paths, in one process.
 
-    python -m bench.step_ab MODEL_DIR [--change silu|qkv] [--threads 1] [--rounds 5]
+    python -m bench.step_ab MODEL_DIR [--change silu|stack] [--threads 1] [--rounds 5]
                             [--rows 1,8,32,64] [--prefills 1x2000,4x500,16x128]
 
 --change silu: the one-pass SiLU gate product (kernels/fused_layers.py) against
-transformers' eager `act_fn(gate) * up`, on one runner. --change qkv: the stacked q/k/v
-product (kernels/fused_projections.py) against three products, on two runners of the
-same model. Each round times every step once with the fast path and once without, which
+transformers' eager `act_fn(gate) * up`, on one runner. --change stack: the stacked q/k/v
+and gate/up products (kernels/fused_projections.py) against separate products, on two
+runners of the same model. Each round times every step once with the fast path and once without, which
 goes first alternating between rounds; prints the median ms of each and the median and
 range of the per-round ratios (without / with: above 1 means the fast path is faster),
 with the load average.
@@ -62,20 +62,24 @@ def _silu_variants(model: str):
     return use, f"{len(mlps)} MLPs"
 
 
-def _qkv_variants(model: str):
-    """Two runners of the model, with and without the stacked q/k/v product."""
+def _stack_variants(model: str):
+    """Two runners of the model, with and without the stacked products."""
     from worker_service.kernels import fused_projections
     from worker_service.model_runner import ModelRunner
 
     fast = ModelRunner(model, dtype="bfloat16")
     stacked = sum(isinstance(m, fused_projections.SharedProduct) for m in fast.model.modules())
-    assert stacked, "no attention layer takes the stacked product on this model"
-    fuse, fused_projections.fuse_qkv = fused_projections.fuse_qkv, lambda m, min_rows=1: 0
+    assert stacked, "no layer takes a stacked product on this model"
+    names = ("fuse_qkv", "fuse_gate_up")
+    saved = {n: getattr(fused_projections, n) for n in names}
+    for n in names:
+        setattr(fused_projections, n, lambda m, min_rows=1: 0)
     try:
         plain = ModelRunner(model, dtype="bfloat16")
     finally:
-        fused_projections.fuse_qkv = fuse
-    return (lambda on: fast if on else plain), f"{stacked} stacked q/k/v products"
+        for n, fn in saved.items():
+            setattr(fused_projections, n, fn)
+    return (lambda on: fast if on else plain), f"{stacked} stacked products"
 
 
 def main() -> None:
@@ -83,14 +87,14 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
-    p.add_argument("--change", choices=("silu", "qkv"), default="silu")
+    p.add_argument("--change", choices=("silu", "stack"), default="silu")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--rows", default="1,8,32,64")
     p.add_argument("--prefills", default="1x2000,4x500,16x128")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    use, what = (_silu_variants if a.change == "silu" else _qkv_variants)(a.model)
+    use, what = (_silu_variants if a.change == "silu" else _stack_variants)(a.model)
     runner = use(True)
     rows = [int(x) for x in a.rows.split(",") if x]
     cases = [(n, mk, lr) for n, mk, _, lr, _ in _cases(runner, rows, [])]

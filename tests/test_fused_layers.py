@@ -157,26 +157,30 @@ def _decode(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[l
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_stacked_qkv_product_gives_the_same_bits(monkeypatch, arch):
-    """One product for q, k and v (with Qwen2's biases) gives the three products' bits:
-    the same tokens and log-probabilities to the last bit, prompts and decoding."""
+def test_stacked_products_give_the_same_bits(monkeypatch, arch):
+    """One product for q, k and v and one for gate and up (read by the C SiLU product's
+    row loop) give the separate products' bits: the same tokens and log-probabilities to
+    the last bit, prompts and decoding."""
     prompts = [[5 + i * 7 + j for j in range(3 + 11 * i)] for i in range(4)]
     stacked = ModelRunner(str(bf16_model(arch)), dtype="bfloat16")
-    attn = stacked.model.model.layers[0].self_attn
-    assert isinstance(attn.k_proj, fused_projections.ProductSlice)
+    layer = stacked.model.model.layers[0]
+    assert isinstance(layer.self_attn.k_proj, fused_projections.ProductSlice)
+    assert isinstance(layer.mlp.up_proj, fused_projections.ProductSlice)
     with_stack = _decode(stacked, prompts, 6)
-    monkeypatch.setattr(fused_projections, "fuse_qkv", lambda model, min_rows=1: 0)
+    for name in ("fuse_qkv", "fuse_gate_up"):
+        monkeypatch.setattr(fused_projections, name, lambda model, min_rows=1: 0)
     separate = ModelRunner(str(bf16_model(arch)), dtype="bfloat16")
-    assert not isinstance(separate.model.model.layers[0].self_attn.k_proj,
-                          fused_projections.ProductSlice)
+    layer = separate.model.model.layers[0]
+    assert not isinstance(layer.self_attn.k_proj, fused_projections.ProductSlice)
+    assert not isinstance(layer.mlp.up_proj, fused_projections.ProductSlice)
     assert with_stack == _decode(separate, prompts, 6)
 
 
 def test_qkv_stacking_leaves_other_code_and_dtypes_alone():
     fp32 = ModelRunner(str(tiny_model("llama")), dtype="float32").model
-    assert fused_projections.fuse_qkv(fp32) == 0
+    assert fused_projections.fuse_qkv(fp32) == fused_projections.fuse_gate_up(fp32) == 0
     gpt2 = ModelRunner(str(bf16_model("gpt2")), dtype="bfloat16").model  # c_attn: its own
-    assert fused_projections.fuse_qkv(gpt2) == 0
+    assert fused_projections.fuse_qkv(gpt2) == fused_projections.fuse_gate_up(gpt2) == 0
 
 
 def test_stacked_qkv_product_with_biases():

@@ -159,13 +159,14 @@ class ModelRunner:
         if prepack and linear_prepack.supported(self.model):
             min_rows = batch_invariance.MIN_ROWS if batch_invariant else 1
             qkv = 0 if sharded else fused_projections.fuse_qkv(self.model, min_rows)
+            gate_up = 0 if sharded else fused_projections.fuse_gate_up(self.model, min_rows)
             n = (sharded_prepack.prepack_sharded_linears(self.model) if sharded else
-                 linear_prepack.prepack_linears(self.model, min_rows) + 3 * qkv)
+                 linear_prepack.prepack_linears(self.model, min_rows) + 3 * qkv + 2 * gate_up)
             self.lm_head = self.model.get_output_embeddings()
             logger.info("prepacked the weights of %d linear layers for oneDNN%s%s", n,
                         " (this rank's shards)" if sharded else "",
-                        f", the query, key and value ones of {qkv} layers as one product"
-                        if qkv else "")
+                        f"; q, k and v stacked into one product in {qkv} layers, gate and "
+                        f"up in {gate_up}" if qkv or gate_up else "")
         norms, rotary = (0, 0) if sharded else fused_layers.install(self.model)
         mlps = 0 if sharded else fused_layers.install_mlp(self.model)
         if norms or rotary or mlps:

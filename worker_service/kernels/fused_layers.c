@@ -122,21 +122,34 @@ void rotary_bf16(const uint16_t *x, uint16_t *y, const uint16_t *cos, const uint
  * computed and rounded it, so the activation has torch's bits by construction; the product
  * of two bfloat16 values is exact in float32, so rounding it once to nearest even gives
  * torch's product. One pass instead of two, and no exp per element. out may be gate. */
-void silu_mul_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *out, const float *silu,
-                   int64_t n) {
-    const int64_t blocks = n / 16;
-#pragma omp parallel for schedule(static) if (n >= MIN_PARALLEL)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t i = b * 16;
+/* out[i] = silu(gate[i]) * up[i] for i < n, silu from the table of every bfloat16 value. */
+static inline void silu_mul_span(const uint16_t *gate, const uint16_t *up, uint16_t *out,
+                                 const float *silu, int64_t lo, int64_t hi) {
+    int64_t i = lo;
 #ifdef HAVE_AVX512_BF16
+    for (; i + 16 <= hi; i += 16) {
         const __m512i idx = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(gate + i)));
         store16_exact(out + i,
                       _mm512_mul_ps(_mm512_i32gather_ps(idx, silu, 4), load16(up + i)));
-#else
-        for (int l = 0; l < 16; l++)
-            out[i + l] = float_to_bf16(silu[gate[i + l]] * bf16_to_float(up[i + l]));
-#endif
     }
-    for (int64_t i = blocks * 16; i < n; i++)
+#endif
+    for (; i < hi; i++)
         out[i] = float_to_bf16(silu[gate[i]] * bf16_to_float(up[i]));
+}
+
+void silu_mul_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *out, const float *silu,
+                   int64_t n) {
+    const int64_t blocks = (n + 1023) / 1024;
+#pragma omp parallel for schedule(static) if (n >= MIN_PARALLEL)
+    for (int64_t b = 0; b < blocks; b++)
+        silu_mul_span(gate, up, out, silu, b * 1024, b * 1024 + 1024 < n ? b * 1024 + 1024 : n);
+}
+
+/* The same over a stacked [gate | up] product: row r's gate is gu[r * stride ...] and its
+ * up the `cols` values after it; out is [rows, cols]. */
+void silu_mul_rows_bf16(const uint16_t *gu, uint16_t *out, const float *silu, int64_t rows,
+                        int64_t cols, int64_t stride) {
+#pragma omp parallel for schedule(static) if (rows * cols >= MIN_PARALLEL)
+    for (int64_t r = 0; r < rows; r++)
+        silu_mul_span(gu + r * stride, gu + r * stride + cols, out + r * cols, silu, 0, cols);
 }

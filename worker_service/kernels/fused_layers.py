@@ -35,6 +35,7 @@ FUNCTIONS = {
     "rms_norm_bf16": ([_P, _P, _P, _I, _I, _I, _I, _F], None),
     "rotary_bf16": ([_P, _P, _P, _P, _I, _I, _I, _I, _I], None),
     "silu_mul_bf16": ([_P, _P, _P, _P, _I], None),
+    "silu_mul_rows_bf16": ([_P, _P, _P, _I, _I, _I], None),
 }
 @functools.cache
 def library() -> ctypes.CDLL | None:
@@ -120,6 +121,19 @@ def silu_table() -> torch.Tensor | None:
 
 
 def _silu_mul(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    product = getattr(self.gate_proj, "product", None)  # fused_projections.fuse_gate_up's
+    if product is not None and getattr(self.up_proj, "product", None) is product:
+        gate_up = product.linear(x)
+        cols = self.gate_proj.out_features
+        if _fast(gate_up) and gate_up.stride(-1) == 1 and gate_up.shape[-1] == 2 * cols:
+            flat = gate_up.reshape(-1, 2 * cols)
+            out = torch.empty(flat.shape[0], cols, dtype=torch.bfloat16)
+            library().silu_mul_rows_bf16(flat.data_ptr(), out.data_ptr(),
+                                         silu_table().data_ptr(), flat.shape[0], cols,
+                                         flat.stride(0))
+            return self.down_proj(out.view(*x.shape[:-1], cols))
+        gate, up = gate_up[..., :cols], gate_up[..., cols:]
+        return self.down_proj(self.act_fn(gate) * up)
     gate, up = self.gate_proj(x), self.up_proj(x)
     table = silu_table()
     if (table is None or not _fast(gate, up) or gate.shape != up.shape
@@ -141,11 +155,16 @@ def install_mlp(model: nn.Module) -> int:
         return 0
     mlps = 0
     for module in model.modules():
-        if (same_code(type(module).forward, reference.LlamaMLP.forward)
-                and type(getattr(module, "act_fn", None)) in (SiLUActivation, nn.SiLU)):
+        if gated_silu_mlp(module):
             module.forward = types.MethodType(_silu_mul, module)
             mlps += 1
     return mlps
+
+
+def gated_silu_mlp(module: nn.Module) -> bool:
+    """Whether `module` computes `down(silu(gate(x)) * up(x))` with Llama's code."""
+    return (same_code(type(module).forward, reference.LlamaMLP.forward)
+            and type(getattr(module, "act_fn", None)) in (SiLUActivation, nn.SiLU))
 
 
 def install(model: nn.Module) -> tuple[int, int]:

@@ -22,6 +22,7 @@ from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
 
+from worker_service.kernels import fused_layers
 from worker_service.kernels.fused_layers import same_code
 from worker_service.kernels.linear_prepack import PrepackedLinear
 
@@ -29,7 +30,8 @@ from worker_service.kernels.linear_prepack import PrepackedLinear
 KNOWN_FORWARDS = (modeling_llama.LlamaAttention.forward,
                   modeling_mistral.MistralAttention.forward,
                   modeling_qwen2.Qwen2Attention.forward)
-NAMES = ("q_proj", "k_proj", "v_proj")
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
 
 
 class SharedProduct(nn.Module):
@@ -65,31 +67,45 @@ class ProductSlice(nn.Module):
         return self.product.take(x, self.lo, self.hi)
 
 
+def _stack(module: nn.Module, names: tuple[str, ...], min_rows: int) -> bool:
+    """Replace `module`'s linears `names` by slices of one stacked prepacked product, if
+    they are plain bfloat16 CPU linears over the same input width, all with or all
+    without a bias."""
+    linears = [getattr(module, n, None) for n in names]
+    if any(type(p) is not nn.Linear for p in linears):
+        return False
+    if (any(p.weight.dtype != torch.bfloat16 or p.weight.device.type != "cpu"
+            for p in linears)
+            or len({p.in_features for p in linears}) != 1
+            or len({p.bias is None for p in linears}) != 1):
+        return False
+    stacked = nn.Linear(linears[0].in_features, sum(p.out_features for p in linears),
+                        bias=linears[0].bias is not None, dtype=torch.bfloat16)
+    with torch.no_grad():
+        stacked.weight.copy_(torch.cat([p.weight.detach() for p in linears]))
+        if stacked.bias is not None:
+            stacked.bias.copy_(torch.cat([p.bias.detach() for p in linears]))
+    product = SharedProduct(PrepackedLinear(stacked, min_rows), len(linears))
+    lo = 0
+    for name, p in zip(names, linears):
+        setattr(module, name, ProductSlice(product, lo, lo + p.out_features))
+        lo += p.out_features
+    return True
+
+
 def fuse_qkv(model: nn.Module, min_rows: int = 1) -> int:
     """Stack the q/k/v weights of `model`'s known attention layers into one prepacked
     product each (bfloat16 on CPU, before the other linears are prepacked); returns how
     many layers."""
-    fused = 0
-    for module in model.modules():
-        linears = [getattr(module, n, None) for n in NAMES]
-        if (not any(same_code(type(module).forward, ref) for ref in KNOWN_FORWARDS)
-                or any(type(p) is not nn.Linear for p in linears)):
-            continue
-        weights = [p.weight for p in linears]
-        if (any(w.dtype != torch.bfloat16 or w.device.type != "cpu" for w in weights)
-                or len({p.in_features for p in linears}) != 1
-                or len({p.bias is None for p in linears}) != 1):
-            continue
-        stacked = nn.Linear(linears[0].in_features, sum(p.out_features for p in linears),
-                            bias=linears[0].bias is not None, dtype=torch.bfloat16)
-        with torch.no_grad():
-            stacked.weight.copy_(torch.cat([w.detach() for w in weights]))
-            if stacked.bias is not None:
-                stacked.bias.copy_(torch.cat([p.bias.detach() for p in linears]))
-        product = SharedProduct(PrepackedLinear(stacked, min_rows), len(linears))
-        lo = 0
-        for name, p in zip(NAMES, linears):
-            setattr(module, name, ProductSlice(product, lo, lo + p.out_features))
-            lo += p.out_features
-        fused += 1
-    return fused
+    return sum(_stack(m, QKV, min_rows) for m in model.modules()
+               if any(same_code(type(m).forward, ref) for ref in KNOWN_FORWARDS))
+
+
+def fuse_gate_up(model: nn.Module, min_rows: int = 1) -> int:
+    """Stack the gate and up weights of the MLPs that fused_layers.install_mlp routes
+    through the C SiLU product, which then reads both halves of the one product; returns
+    how many. Call it before install_mlp and before the other linears are prepacked."""
+    if fused_layers.silu_table() is None or fused_layers.library() is None:
+        return 0
+    return sum(_stack(m, GATE_UP, min_rows) for m in model.modules()
+               if fused_layers.gated_silu_mlp(m))
