@@ -27,7 +27,7 @@ import grpc
 from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from seqserve_common.control_channel import GRPC_MESSAGE_OPTIONS
-from seqserve_common.steps_link import HEADER, MAX_HELLO_BYTES, frame, frame_length
+from seqserve_common.steps_link import MAX_HELLO_BYTES, frame, read_frame_async
 
 
 @dataclass
@@ -74,11 +74,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         """One direct Steps link: a hello, then Steps answered in order."""
         answered = None
         try:
-            await reader.readexactly(frame_length(await reader.readexactly(HEADER.size),
-                                                  MAX_HELLO_BYTES))
+            await read_frame_async(reader, MAX_HELLO_BYTES)
             while True:
-                n = frame_length(await reader.readexactly(HEADER.size))
-                request = worker_pb2.StepRequest.FromString(await reader.readexactly(n))
+                request = worker_pb2.StepRequest.FromString(await read_frame_async(reader))
                 response = await self._answer(request, answered)
                 answered = time.perf_counter()
                 writer.write(frame(worker_pb2.StepsLinkFrame(

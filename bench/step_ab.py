@@ -1,7 +1,8 @@
 """The worker's step with and without one of its CPU fast paths, in one process.
 
-    python -m bench.step_ab MODEL_DIR [--change silu|stack] [--threads 1] [--rounds 5]
-                            [--rows 1,8,32,64] [--prefills 1x2000,4x500,16x128]
+    python -m bench.step_ab MODEL_DIR [--change silu|stack] [--threads 1]
+                            [--rounds 5] [--rows 1,8,32,64]
+                            [--prefills 1x2000,4x500,16x128]
 
 --change silu: the one-pass SiLU gate product (kernels/fused_layers.py) against
 transformers' eager `act_fn(gate) * up`, on one runner. --change stack: the stacked q/k/v

@@ -21,7 +21,7 @@ from scheduler_service.params import DecodingConfig
 from seqserve_common.control_auth import call_metadata
 from seqserve_common.control_channel import GRPC_MESSAGE_OPTIONS
 from seqserve_common.decoding import DecodingStrategy
-from seqserve_common.steps_link import HEADER, FrameError, frame, frame_length, link_host
+from seqserve_common.steps_link import FrameError, frame, link_host, read_frame_async
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +192,8 @@ LINK_PROBE_TIMEOUT_S = 2.0
 async def link_reachable(host: str, port: int) -> str | None:
     """None when a connection to the link opens; else why not (then Steps use gRPC)."""
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), LINK_PROBE_TIMEOUT_S)
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
+                                           LINK_PROBE_TIMEOUT_S)
     except (OSError, asyncio.TimeoutError) as exc:
         return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     writer.close()  # the worker takes a close before the hello for a probe
@@ -238,7 +239,7 @@ class LinkStepStream:
     async def receive(self) -> StepAnswer:
         reader, _ = await self._open()
         try:
-            payload = await reader.readexactly(frame_length(await reader.readexactly(HEADER.size)))
+            payload = await read_frame_async(reader)
         except (asyncio.IncompleteReadError, OSError, FrameError) as exc:
             if isinstance(exc, asyncio.IncompleteReadError):
                 exc = ConnectionError("the worker closed it")

@@ -10,6 +10,7 @@ the contract; gRPC keeps everything else (Info, Reset, health, TLS).
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import struct
 
@@ -45,6 +46,13 @@ def read_frame(sock: socket.socket, limit: int = MAX_MESSAGE_BYTES) -> bytes | N
     if header is None:
         return None
     return _read_exactly(sock, frame_length(header, limit), at_start=False) or b""
+
+
+async def read_frame_async(reader: asyncio.StreamReader, limit: int = MAX_MESSAGE_BYTES
+                           ) -> bytes:
+    """The next frame's payload from an asyncio stream; raises IncompleteReadError when the
+    peer closes first."""
+    return await reader.readexactly(frame_length(await reader.readexactly(HEADER.size), limit))
 
 
 def _read_exactly(sock: socket.socket, n: int, at_start: bool) -> bytes | None:

@@ -121,8 +121,8 @@ void rotary_bf16(const uint16_t *x, uint16_t *y, const uint16_t *cos, const uint
  * a 65536-entry table, the activation of every bfloat16 value (widened to float32) as torch
  * computed and rounded it, so the activation has torch's bits by construction; the product
  * of two bfloat16 values is exact in float32, so rounding it once to nearest even gives
- * torch's product. One pass instead of two, and no exp per element. out may be gate. */
-/* out[i] = silu(gate[i]) * up[i] for i < n, silu from the table of every bfloat16 value. */
+ * torch's product. One pass instead of two, and no exp per element. out may be gate.
+ * silu_mul_span does elements [lo, hi); the two entry points split the work. */
 static inline void silu_mul_span(const uint16_t *gate, const uint16_t *up, uint16_t *out,
                                  const float *silu, int64_t lo, int64_t hi) {
     int64_t i = lo;
