@@ -7,9 +7,11 @@ import math
 
 import pytest
 
+from bench.commands import matrix
 from bench.floor import (FloorRequest, MachineRates, ModelShape, fraction_of_floor,
                          ideal_cached_tokens, run_floor, simulate, step_floor)
 from bench.matrix_report import floor_fraction, knee_table, matrix_markdown, ratio_row
+from bench.parser import build_parser
 
 # A Llama-style config with grouped heads and a head size that is not hidden / heads.
 CONFIG = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 3,
@@ -197,3 +199,11 @@ def test_peers_report_sets_each_system_against_the_floor():
     md = peers_markdown(result)
     assert "Fraction of the floor: seqserve 50%, vLLM CPU 25%" in md
     assert "20.0 GB/s" in md
+
+
+@pytest.mark.parametrize("fractions", ["0", "0.5,-1", "nan"])
+def test_rate_fractions_that_give_no_arrivals_stop_before_any_server_starts(fractions):
+    args = build_parser("doc\n\nepilog").parse_args(
+        ["matrix", "--rate-fractions", fractions, "--no-floor", "--peers", "none"])
+    with pytest.raises(SystemExit, match="--rate-fractions wants positive fractions"):
+        matrix.run(args)

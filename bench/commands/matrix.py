@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 from pathlib import Path
 
 from bench.commands.common import (prepare, selected_peers, server_options, slo_limits,
@@ -163,6 +164,9 @@ def run(args) -> dict:
     bad = set(args.traces) - set(WORKLOADS)
     if bad:
         raise SystemExit(f"unknown trace(s) {sorted(bad)}; choose from {sorted(WORKLOADS)}")
+    if any(not (f > 0 and math.isfinite(f)) for f in args.rate_fractions):
+        raise SystemExit(f"--rate-fractions wants positive fractions, got {args.rate_fractions}"
+                         " (all at once always runs)")
     env, start = environment(), uptime()
     slo, peers = slo_limits(args), selected_peers(args)
     logger.info("matrix: models %s, traces %s, rate fractions %s, peers %s; %s", args.models,
