@@ -26,6 +26,7 @@ from scheduler_service.output import LOCAL
 from scheduler_service.preemption import preempt
 from scheduler_service.recovery import recover
 from scheduler_service.sequence import FinishReason, Sequence, Status
+from scheduler_service.step_pacing import StepPacer, step_size
 from scheduler_service.worker_client import (
     StepFailed,
     StepStream,
@@ -53,7 +54,8 @@ class IterationLoop:
                  max_sparsity: float, max_splits: int, worker_timeout: float,
                  metrics: SchedulerMetrics, max_num_batched_tokens: int, steps_in_flight: int,
                  policy: AdmissionPolicy | None = None,  # None: FCFS
-                 enable_chunked_prefill: bool = True, length_labels: bool = True):
+                 enable_chunked_prefill: bool = True, length_labels: bool = True,
+                 step_send_lead_ms: float = 3.0):
         assert worker.info is not None, "connect the worker before starting the loop"
         self.worker = worker
         self.name = worker.address  # the `worker` label of its metrics
@@ -84,6 +86,12 @@ class IterationLoop:
         self._inflight: deque[_InFlight] = deque()
         self._stream: StepStream | None = None
         self._last_answer = 0.0
+        # A Step sent ahead waits until just before the worker should need it, so that
+        # requests arriving meanwhile join it (step_pacing.py); the oldest Step's answer,
+        # when the loop is holding the next one, arrives in `_answer`.
+        self.pacer = StepPacer(step_send_lead_ms / 1000 if step_send_lead_ms >= 0 else -1.0)
+        self._answer: asyncio.Future | None = None
+        self._answered_at = 0.0  # perf_counter when the last answer arrived
         # Whether a worker serves: readiness, as health checks and /ping report it.
         self.worker_up = True
         self.on_worker_state: Callable[[bool], None] = lambda up: None
@@ -183,6 +191,11 @@ class IterationLoop:
         try:
             while not self._stopped:
                 try:
+                    # The next Step is planned while the worker runs those in flight,
+                    # shortly before it needs it.
+                    if 0 < len(self._inflight) < self.steps_in_flight and await self._hold_next():
+                        await self._receive()  # the worker was quicker than expected
+                        continue
                     sent = await self._send_next()
                     if sent and len(self._inflight) < self.steps_in_flight:
                         continue  # plan the next step while this one runs
@@ -196,6 +209,19 @@ class IterationLoop:
                     await recover(self, exc)
         finally:
             self._close_stream()
+
+    async def _hold_next(self) -> bool:
+        """Wait until the next Step should be planned (StepPacer); True when the oldest
+        Step's answer came first."""
+        first = self._inflight[0]
+        delay = self.pacer.delay(max(first.sent, self._answered_at),
+                                 [step_size(f.plan) for f in self._inflight], time.perf_counter())
+        if delay <= 0:
+            return False
+        if self._answer is None:
+            self._answer = asyncio.ensure_future(self._stream.receive())
+        done, _ = await asyncio.wait({self._answer}, timeout=delay)
+        return bool(done)
 
     def _has_work(self) -> bool:
         return bool(self.running or self.to_release or (self.admitting and len(self.waiting)))
@@ -290,8 +316,9 @@ class IterationLoop:
     async def _receive(self) -> None:
         """Wait for the oldest Step in flight and hand out its tokens."""
         step = self._inflight[0]
-        answer = await self._stream.receive()
-        t2 = time.perf_counter()
+        pending, self._answer = self._answer, None
+        answer = await (pending if pending is not None else self._stream.receive())
+        t2 = self._answered_at = time.perf_counter()
         if answer.step_id != step.step_id:
             raise StepFailed("INTERNAL", f"the worker answered step {answer.step_id} where "
                                          f"step {step.step_id} was due")
@@ -305,9 +332,15 @@ class IterationLoop:
         self._last_answer = t3
         reserved = sum(s.reserved_tokens for s in self.running.values())
         self.metrics.observe_step(self.name, step.plan, answer, step.plan_seconds, waited, t3 - t2)
+        self.pacer.observe(*step_size(step.plan), answer.worker_seconds)
         self.metrics.set_load(self.name, len(self.running), reserved, self.kv_budget)
 
     def _close_stream(self) -> None:
+        if self._answer is not None:
+            if self._answer.done() and not self._answer.cancelled():
+                self._answer.exception()  # retrieved: the failure is being handled
+            self._answer.cancel()
+            self._answer = None
         if self._stream is not None:
             self._stream.close()
             self._stream = None

@@ -57,7 +57,8 @@ async def serve(cfg: ServingConfig, port_file: str | None,
                              metrics=metrics, max_num_batched_tokens=cfg.max_num_batched_tokens,
                              steps_in_flight=cfg.steps_in_flight, policy=new_policy(),
                              enable_chunked_prefill=cfg.enable_chunked_prefill,
-                             length_labels=cfg.length_probe_used)
+                             length_labels=cfg.length_probe_used,
+                             step_send_lead_ms=cfg.step_send_lead_ms)
 
     # Made before the servers start so the admin API can register workers from the start.
     workers = WorkerPool(cfg.worker_addresses, make_client, make_loop, cfg.max_queue)

@@ -162,6 +162,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("steps_in_flight", int, "an integer >= 1", lambda v: v >= 1,
            "Steps sent to the worker before the oldest is answered (1: each waits for the "
            "previous one's tokens)"),
+    Option("step_send_lead_ms", _finite_float, "a number of milliseconds >= 0, or -1",
+           lambda v: v >= 0 or v == -1,
+           "with steps_in_flight >= 2, the next Step is planned and sent this long (plus a "
+           "tenth of its expected time) before the worker should end the one it runs, so "
+           "requests arriving meanwhile join it; -1: sent as soon as the previous one is"),
     Option("scheduling_policy", _choice(*SCHEDULING_POLICIES), ", ".join(SCHEDULING_POLICIES),
            help="which waiting request runs next: fcfs (arrival order), priority (the "
                 "request's priority, preempting less urgent work), mlfq (FastServe's "
@@ -279,6 +284,7 @@ class ServingConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     steps_in_flight: int = 2
+    step_send_lead_ms: float = 3.0
     scheduling_policy: str = "fcfs"
     priority_aging_steps: int = 64
     priority_background_chunk_tokens: int = 128

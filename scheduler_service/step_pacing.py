@@ -1,0 +1,103 @@
+"""When to send a pipelined Step: shortly before the worker should finish the ones it has.
+
+With `steps_in_flight` >= 2 the loop plans Step N+1 while the worker runs Step N, so the
+worker finds its next Step waiting instead of idling for an answer's round trip. Planned
+the moment N is sent, N+1 misses every request that arrives while N runs, and each of
+them pays a whole extra Step before its prefill starts. Planned a little before N's
+expected end, N+1 still reaches the worker before it needs it and takes those requests
+in. If the worker answers first (the estimate was long), the loop plans at once, which
+is what `steps_in_flight` 1 does, so a bad estimate costs at most that.
+
+The expected time of a Step is a least-squares fit of the worker's own time
+(`worker_seconds` of its answers) for the last `window` Steps on their rows and prompt
+tokens: on a steady batch it tracks a decoding Step within a few percent; a prompt
+chunk's cost is the slope on its tokens. Pure: the loop gives it plans, times and clocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+# Answered Steps the fit needs before it paces; until then each Step goes at once.
+MIN_SAMPLES = 8
+# Ridge term of the fit, so a term the window never varied (no prompt tokens yet) gets a
+# slope near 0 instead of a singular system.
+RIDGE = 1e-6
+
+
+def step_size(plan) -> tuple[int, int]:
+    """(rows, prompt tokens) of a StepPlan: the sequences its groups run and the prompt
+    tokens it prefills (whole prompts when unchunked)."""
+    rows = sum(len(g) for g in plan.groups)
+    tokens = plan.prefill_tokens if plan.chunks else sum(len(s.prompt_ids) for s in plan.prefill)
+    return rows, tokens
+
+
+@dataclass
+class StepPacer:
+    """`lead_s` + `lead_fraction` of the expected time is how early the next Step goes, to
+    cover its planning, its trip to the worker and the estimate's error; a negative
+    `lead_s` turns pacing off (each Step goes as soon as the previous one is sent)."""
+
+    lead_s: float
+    lead_fraction: float = 0.1
+    window: int = 64
+    _samples: deque = field(default_factory=deque, init=False, repr=False)
+    _coef: tuple[float, float, float] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def enabled(self) -> bool:
+        return self.lead_s >= 0
+
+    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        """An answered Step's size and the worker's time for it."""
+        if not self.enabled or seconds <= 0:
+            return
+        self._samples.append((float(rows), float(tokens), seconds))
+        if len(self._samples) > self.window:
+            self._samples.popleft()
+        self._coef = _fit(self._samples) if len(self._samples) >= MIN_SAMPLES else None
+
+    def expected(self, rows: int, tokens: int) -> float | None:
+        """The worker's expected seconds for a Step of this size; None before the fit."""
+        if self._coef is None:
+            return None
+        a, b, c = self._coef
+        return max(a + b * rows + c * tokens, 0.0)
+
+    def delay(self, started: float, sizes: list[tuple[int, int]], now: float) -> float:
+        """Seconds to hold the next Step: the worker began the first of the Steps in
+        flight (`sizes`, oldest first) at `started` and runs the rest after it."""
+        if not self.enabled or not sizes:
+            return 0.0
+        total = 0.0
+        for rows, tokens in sizes:
+            e = self.expected(rows, tokens)
+            if e is None:
+                return 0.0
+            total += e
+        return max(started + total * (1 - self.lead_fraction) - self.lead_s - now, 0.0)
+
+
+def _fit(samples) -> tuple[float, float, float]:
+    """Least squares of seconds on (1, rows, tokens): the 3x3 normal equations, solved by
+    Gaussian elimination."""
+    m = [[0.0] * 4 for _ in range(3)]
+    for rows, tokens, y in samples:
+        x = (1.0, rows, tokens)
+        for i in range(3):
+            for j in range(3):
+                m[i][j] += x[i] * x[j]
+            m[i][3] += x[i] * y
+    for i in range(3):
+        m[i][i] += RIDGE * max(m[i][i], 1.0)
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(3):
+            if r != col and m[col][col]:
+                f = m[r][col] / m[col][col]
+                for k in range(col, 4):
+                    m[r][k] -= f * m[col][k]
+    return tuple(m[i][3] / m[i][i] if m[i][i] else 0.0 for i in range(3))
