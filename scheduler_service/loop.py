@@ -192,10 +192,10 @@ class IterationLoop:
             while not self._stopped:
                 try:
                     # The next Step is planned while the worker runs those in flight,
-                    # shortly before it needs it.
-                    if 0 < len(self._inflight) < self.steps_in_flight and await self._hold_next():
-                        await self._receive()  # the worker was quicker than expected
-                        continue
+                    # shortly before it needs it; if an answer comes first it waits until
+                    # the next Step is sent, as it would have without the hold.
+                    if 0 < len(self._inflight) < self.steps_in_flight:
+                        await self._hold_next()
                     sent = await self._send_next()
                     if sent and len(self._inflight) < self.steps_in_flight:
                         continue  # plan the next step while this one runs
@@ -210,18 +210,17 @@ class IterationLoop:
         finally:
             self._close_stream()
 
-    async def _hold_next(self) -> bool:
-        """Wait until the next Step should be planned (StepPacer); True when the oldest
-        Step's answer came first."""
+    async def _hold_next(self) -> None:
+        """Wait until the next Step should be planned (StepPacer), or the oldest Step's
+        answer arrives (the worker was quicker than expected)."""
         first = self._inflight[0]
         delay = self.pacer.delay(max(first.sent, self._answered_at),
                                  [step_size(f.plan) for f in self._inflight], time.perf_counter())
         if delay <= 0:
-            return False
+            return
         if self._answer is None:
             self._answer = asyncio.ensure_future(self._stream.receive())
-        done, _ = await asyncio.wait({self._answer}, timeout=delay)
-        return bool(done)
+        await asyncio.wait({self._answer}, timeout=delay)
 
     def _has_work(self) -> bool:
         return bool(self.running or self.to_release or (self.admitting and len(self.waiting)))
