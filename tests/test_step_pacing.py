@@ -81,6 +81,7 @@ class TimedStream:
 
     def __init__(self, worker):
         self.worker = worker
+        self.step_s, self.reported_s = worker.step_s, worker.reported_s
         self.queue: asyncio.Queue = asyncio.Queue()
         self.answers: asyncio.Queue = asyncio.Queue()
         self.runner = asyncio.get_running_loop().create_task(self._run())
@@ -89,14 +90,15 @@ class TimedStream:
         while True:
             step_id, plan = await self.queue.get()
             self.worker.started[step_id] = time.perf_counter()
-            await asyncio.sleep(STEP_S)
+            await asyncio.sleep(self.step_s)
             for s in plan.prefill:
                 self.worker.prefilled_in.setdefault(s.seq_id, step_id)
             tokens = [StepToken(sid, TOKEN, cached_tokens=0) for sid in plan.token_ids()]
-            await self.answers.put(StepAnswer(step_id, tokens, worker_seconds=STEP_S))
+            await self.answers.put(StepAnswer(step_id, tokens, worker_seconds=self.reported_s))
 
     async def send(self, step_id, plan):
         self.worker.sent[step_id] = time.perf_counter()
+        self.worker.handed_out[step_id] = self.worker.tokens_handed_out()
         await self.queue.put((step_id, plan))
 
     async def receive(self):
@@ -109,10 +111,13 @@ class TimedStream:
 class TimedWorker:
     address = "timed-worker"
 
-    def __init__(self):
+    def __init__(self, step_s: float = STEP_S, reported_s: float = STEP_S):
         self.info = WorkerInfo("fake", "FakeForCausalLM", vocab_size=1000,
                                eos_token_ids=frozenset([0]), max_position_embeddings=2048,
                                dtype="float32", device="cpu", kv_capacity_tokens=100000)
+        self.step_s, self.reported_s = step_s, reported_s
+        self.tokens_handed_out = lambda: 0  # the test points it at its sequence
+        self.handed_out: dict[int, int] = {}  # Step id -> tokens handed out when it was sent
         self.sent: dict[int, float] = {}
         self.started: dict[int, float] = {}
         self.prefilled_in: dict[int, int] = {}
@@ -164,3 +169,33 @@ def test_a_request_arriving_during_a_step_is_prefilled_by_the_next_one(lead_ms, 
         paced = [i for i in worker.started if i > MIN_SAMPLES + 2 and i - 1 in worker.started]
         early = [i for i in paced if worker.sent[i] < worker.started[i - 1] + STEP_S]
         assert len(early) >= 0.7 * len(paced)
+
+
+def test_when_the_worker_answers_before_the_hold_ends_the_next_step_goes_first():
+    """A worker 10x quicker than its reported times: every hold ends with the answer, and
+    the next Step is still sent before that answer's token is handed out (as without
+    pacing), so the worker waits only for the planning, and every token arrives."""
+    tok = AutoTokenizer.from_pretrained(str(tiny_model("llama")))
+    worker = TimedWorker(step_s=0.01, reported_s=0.1)
+
+    async def scenario():
+        loop = IterationLoop(worker, max_rolling_batch_size=8, max_queue=16, max_sparsity=0.3,
+                             max_splits=2, worker_timeout=5, metrics=SchedulerMetrics(),
+                             max_num_batched_tokens=256, steps_in_flight=2,
+                             step_send_lead_ms=3.0)
+        seq = greedy_sequence(loop, tok, "a request the worker is quick with", 30)
+        worker.tokens_handed_out = lambda: len(seq.output_ids)
+        loop.submit(seq)
+        task = asyncio.create_task(loop.run())
+        while not isinstance(await seq.events.get(), FinishEvent):
+            pass
+        loop.stop()
+        task.cancel()
+        return seq
+
+    seq = asyncio.run(scenario())
+    assert seq.output_ids == [TOKEN] * 30
+    paced = [i for i in sorted(worker.sent) if MIN_SAMPLES + 2 < i <= 30]
+    assert paced
+    # Step i goes out while Step i-1's answer is in but not handed out: i-2 tokens.
+    assert all(worker.handed_out[i] == i - 2 for i in paced), worker.handed_out
