@@ -5,8 +5,9 @@ worker finds its next Step waiting instead of idling for an answer's round trip.
 the moment N is sent, N+1 misses every request that arrives while N runs, and each of
 them pays a whole extra Step before its prefill starts. Planned a little before N's
 expected end, N+1 still reaches the worker before it needs it and takes those requests
-in. If the worker answers first (the estimate was long), the loop plans at once, which
-is what `steps_in_flight` 1 does, so a bad estimate costs at most that.
+in. If the worker answers first (the estimate was long), the loop plans at once and sends
+the Step before it hands out that answer's tokens, as without pacing, so a long estimate
+costs the worker the planning's time and no more.
 
 The expected time of a Step is a least-squares fit of the worker's own time
 (`worker_seconds` of its answers) for the last `window` Steps on their rows and prompt
