@@ -45,6 +45,11 @@ class StepPacer:
     lead_fraction: float = 0.1
     window: int = 64
     _samples: deque = field(default_factory=deque, init=False, repr=False)
+    # The window's sums of x x^T and x y, x = (1, rows, tokens), y in nanoseconds: kept
+    # as Steps come and go, so each answer costs the loop a 3x3 solve, not a pass over
+    # the window. Integers, so taking a Step out leaves no rounding behind.
+    _sums: list = field(default_factory=lambda: [[0] * 4 for _ in range(3)], init=False,
+                        repr=False)
     _coef: tuple[float, float, float] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -55,10 +60,12 @@ class StepPacer:
         """An answered Step's size and the worker's time for it."""
         if not self.enabled or seconds <= 0:
             return
-        self._samples.append((float(rows), float(tokens), seconds))
+        sample = (int(rows), int(tokens), round(seconds * 1e9))
+        self._samples.append(sample)
+        _add(self._sums, sample, 1)
         if len(self._samples) > self.window:
-            self._samples.popleft()
-        self._coef = _fit(self._samples) if len(self._samples) >= MIN_SAMPLES else None
+            _add(self._sums, self._samples.popleft(), -1)
+        self._coef = _fit(self._sums) if len(self._samples) >= MIN_SAMPLES else None
 
     def expected(self, rows: int, tokens: int) -> float | None:
         """The worker's expected seconds for a Step of this size; None before the fit."""
@@ -81,16 +88,20 @@ class StepPacer:
         return max(started + total * (1 - self.lead_fraction) - self.lead_s - now, 0.0)
 
 
-def _fit(samples) -> tuple[float, float, float]:
-    """Least squares of seconds on (1, rows, tokens): the 3x3 normal equations, solved by
-    Gaussian elimination."""
-    m = [[0.0] * 4 for _ in range(3)]
-    for rows, tokens, y in samples:
-        x = (1.0, rows, tokens)
-        for i in range(3):
-            for j in range(3):
-                m[i][j] += x[i] * x[j]
-            m[i][3] += x[i] * y
+def _add(sums: list, sample: tuple[int, int, int], sign: int) -> None:
+    """Add (sign 1) or take out (sign -1) one sample's terms of the normal equations."""
+    rows, tokens, y = sample
+    x = (1, rows, tokens)
+    for i in range(3):
+        for j in range(3):
+            sums[i][j] += sign * x[i] * x[j]
+        sums[i][3] += sign * x[i] * y
+
+
+def _fit(sums: list) -> tuple[float, float, float]:
+    """Least squares of seconds on (1, rows, tokens): the 3x3 normal equations from the
+    window's sums, solved by Gaussian elimination."""
+    m = [[float(v) for v in row[:3]] + [row[3] / 1e9] for row in sums]
     for i in range(3):
         m[i][i] += RIDGE * max(m[i][i], 1.0)
     for col in range(3):
