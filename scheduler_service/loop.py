@@ -14,6 +14,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Callable
 
 import grpc
@@ -47,6 +48,12 @@ class _InFlight:
     sent: float  # perf_counter when it was handed to the stream
     plan_seconds: float
     background: bool = False  # it pays chunks the policy capped (AdmissionPolicy.chunk_limit)
+
+    @cached_property
+    def size(self) -> tuple[int, int]:
+        """(rows, prompt tokens), what the pacer prices it by: read while it is held behind
+        and when it is answered."""
+        return step_size(self.plan)
 
 
 class IterationLoop:
@@ -215,7 +222,7 @@ class IterationLoop:
         answer arrives (the worker was quicker than expected)."""
         first = self._inflight[0]
         delay = self.pacer.delay(max(first.sent, self._answered_at),
-                                 [step_size(f.plan) for f in self._inflight], time.perf_counter())
+                                 [f.size for f in self._inflight], time.perf_counter())
         if delay <= 0:
             return
         if self._answer is None:
@@ -331,7 +338,7 @@ class IterationLoop:
         self._last_answer = t3
         reserved = sum(s.reserved_tokens for s in self.running.values())
         self.metrics.observe_step(self.name, step.plan, answer, step.plan_seconds, waited, t3 - t2)
-        self.pacer.observe(*step_size(step.plan), answer.worker_seconds)
+        self.pacer.observe(*step.size, answer.worker_seconds)
         self.metrics.set_load(self.name, len(self.running), reserved, self.kv_budget)
 
     def _close_stream(self) -> None:
