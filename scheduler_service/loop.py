@@ -50,9 +50,7 @@ class _InFlight:
     background: bool = False  # it pays chunks the policy capped (AdmissionPolicy.chunk_limit)
 
     @cached_property
-    def size(self) -> tuple[int, int]:
-        """(rows, prompt tokens), what the pacer prices it by: read while it is held behind
-        and when it is answered."""
+    def size(self) -> tuple[int, int]:  # (rows, prompt tokens): what the pacer prices
         return step_size(self.plan)
 
 
