@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from seqserve_common.model_source import gguf_kwargs, model_files
-from worker_service import attention, batch_invariance, tensor_parallel
+from worker_service import attention, batch_invariance, layer_loop, tensor_parallel
 from worker_service.kernels import (fused_layers, fused_projections, linear_prepack,
                                     native_attention, sharded_prepack)
 from worker_service.fallback import OwnAttention
@@ -117,6 +117,7 @@ class ModelRunner:
                              "products are not built for sharded layers); turn one off")
         self.layer_attention, reason = attention.layer_attention(config)
         self.fallback: OwnAttention | None = None
+        self.layer_loop: layer_loop.LayerLoop | None = None  # set once the model is final
         self.kv_dtype_name = kv_dtype
 
         def load(attn: str | None):
@@ -175,6 +176,7 @@ class ModelRunner:
                         rotary, mlps)
         self.kv_shape = self._kv_shape(layers)
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        self.layer_loop = None if self.fallback is not None or sharded else self._layer_loop()
         if batch_invariant:
             reason = batch_invariance.unsupported(self) or batch_invariance.check(self)
             if reason is not None:
@@ -280,6 +282,33 @@ class ModelRunner:
                     f"model's own by {err:.3g} (relative; tolerance {tol})")
         return None
 
+    @torch.inference_mode()
+    def _layer_loop(self) -> layer_loop.LayerLoop | None:
+        """The plain layer loop, where it applies and gives the model's own forward's bits
+        on a probe (a prompt and one decoding token); else None, and the reason logged."""
+        reason = layer_loop.unsupported(self.base)
+        if reason is None:
+            loop = layer_loop.LayerLoop(self.base)
+            vocab = self.model.get_input_embeddings().weight.shape[0]
+            ids = [(i * 7919 + 11) % vocab for i in range(17)]
+            got, want = [], []
+            for out, run in ((got, lambda b: self._packed(b, loop)), (want, self._packed)):
+                group = KVGroup(self.kv_shape)
+                group.add_empty_row(0, len(ids) + 1)
+                batch = PackedBatch(self.device, self.layer_attention)
+                batch.add_row(group, 0, ids[:-1], 0)
+                out.append(run(batch))
+                group.fill(0, len(ids) - 1)
+                batch = PackedBatch(self.device, self.layer_attention)
+                batch.add_decode(group, 0, 1, ids[-1:])
+                out.append(run(batch))
+            if all(torch.equal(a, b) for a, b in zip(got, want)):
+                logger.info("packed forwards run the plain layer loop")
+                return loop
+            reason = "on a probe it does not give the bits of the model's own forward"
+        logger.info("packed forwards run the model's own forward: %s", reason)
+        return None
+
     def _use_fallback(self, model, config, reason: str) -> list:
         """Serve `model` (loaded with its default attention) through its own attention and
         a DynamicCache; logs once why. Returns its per-layer KV shapes."""
@@ -324,9 +353,15 @@ class ModelRunner:
         [tokens, hidden]. Each segment's keys and values land in its group's buffers."""
         if self.fallback is not None:
             return self.fallback.forward(batch)
+        return self._packed(batch, self.layer_loop)
+
+    def _packed(self, batch: PackedBatch, loop: layer_loop.LayerLoop | None = None
+                ) -> torch.Tensor:
         n = batch.num_tokens
         ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)[None]
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)[None]
+        if loop is not None:
+            return loop.forward(batch, ids, positions)[0]
         # Attention masks itself per segment; transformers passes a 4D mask through
         # untouched, and this expanded view costs no memory.
         mask = self._no_mask.expand(1, 1, n, n)
