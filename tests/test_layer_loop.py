@@ -14,15 +14,15 @@ from worker_service.model_runner import ModelRunner
 from worker_service.packed_batch import PackedBatch
 
 
-def _runner(arch: str, dtype: str) -> ModelRunner:
+def _runner(arch: str, dtype: str, size: str = "tiny") -> ModelRunner:
     path = tiny_model(arch)
-    if dtype == "bfloat16":
-        path = make_model(path.parent / f"tiny-{arch}-bf16", arch=arch, size="tiny",
-                          dtype="bfloat16", seed=0)
+    if dtype == "bfloat16" or size != "tiny":
+        path = make_model(path.parent / f"{size}-{arch}-{dtype}", arch=arch, size=size,
+                          dtype=dtype, seed=0)
     return ModelRunner(str(path), dtype=dtype)
 
 
-def _mixed_batches(runner: ModelRunner) -> list[PackedBatch]:
+def _mixed_batches(runner: ModelRunner) -> tuple[list[PackedBatch], KVGroup]:
     """Steps of every segment kind, in groups whose rows hold KV of earlier steps:
     decoding rows of two lengths, a whole prompt, a prompt behind a cached prefix,
     and contrastive candidates (a tree)."""
@@ -63,13 +63,14 @@ def _run_all(runner: ModelRunner, loop) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("arch,dtype", [("llama", "bfloat16"), ("qwen2", "bfloat16"),
-                                        ("mistral", "bfloat16"), ("llama", "float32"),
-                                        ("qwen2", "float32")])
-def test_loop_gives_the_bits_of_the_models_forward(arch, dtype):
-    """Hidden states and the keys written, over steps of every segment kind (Mistral's
-    and Qwen2's fixtures have a sliding window, which the batch applies per layer)."""
-    runner = _runner(arch, dtype)
+@pytest.mark.parametrize("arch,dtype,size", [
+    ("llama", "bfloat16", "tiny"), ("qwen2", "bfloat16", "tiny"), ("llama", "float32", "tiny"),
+    ("mistral", "bfloat16", "odd"), ("qwen2", "float32", "odd")])
+def test_loop_gives_the_bits_of_the_models_forward(arch, dtype, size):
+    """Hidden states and the keys and values written, over steps of every segment kind
+    (the "odd" fixtures: head size 12 and a sliding window of 8 slots, which the batch
+    applies per layer)."""
+    runner = _runner(arch, dtype, size)
     assert runner.layer_loop is not None, "the loop applies to Llama-family code"
     got, want = _run_all(runner, runner.layer_loop), _run_all(runner, None)
     assert len(got) == len(want)
@@ -98,6 +99,23 @@ def test_switch_and_changed_code_keep_the_models_forward(monkeypatch):
     layer = runner.base.layers[1]
     layer.__class__ = Scaled
     assert "LlamaDecoderLayer" in layer_loop.unsupported(runner.base)
+
+
+def test_hooks_or_an_instance_forward_on_replaced_code_keep_the_models_forward():
+    runner = _runner("llama", "float32")
+    attn = runner.base.layers[0].self_attn
+    handle = attn.register_forward_hook(lambda m, i, o: None)
+    assert "hooks" in layer_loop.unsupported(runner.base)
+    handle.remove()
+    runner.base.forward = runner.base.forward  # an instance attribute, as accelerate sets
+    assert "own forward" in layer_loop.unsupported(runner.base)
+
+
+def test_a_loop_that_differs_on_the_probe_is_not_used(monkeypatch):
+    forward = layer_loop.LayerLoop.forward
+    monkeypatch.setattr(layer_loop.LayerLoop, "forward",
+                        lambda self, *a: forward(self, *a) * 1.001)
+    assert _runner("llama", "float32").layer_loop is None
 
 
 def test_a_hooked_module_is_called_through_its_hooks():

@@ -17,8 +17,8 @@ own forward.
 
 from __future__ import annotations
 
+import inspect
 import os
-import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -51,15 +51,16 @@ class _Layer:
     v_proj: Call
     head_dim: int
     scaling: float
-    rotary: Callable  # the attention's modeling module's apply_rotary_pos_emb
+    rotary: Callable  # the apply_rotary_pos_emb its attention's forward calls
     o_proj: Call
     post_norm: Call
     mlp: Call
 
 
 def _direct(module: nn.Module) -> Call:
-    """The module's `forward` itself where nothing hooks into its call (hooks need
-    `nn.Module.__call__`), else the module."""
+    """The module's `forward` itself where nothing hooks into its call when the loop is
+    built (hooks need `nn.Module.__call__`), else the module. Hooks registered later are
+    not seen: the worker registers none."""
     hooked = (module._forward_hooks or module._forward_pre_hooks
               or nn.modules.module._global_forward_hooks
               or nn.modules.module._global_forward_pre_hooks)
@@ -79,11 +80,10 @@ class LayerLoop:
     @staticmethod
     def _layer(layer: nn.Module) -> _Layer:
         attn = layer.self_attn
-        modeling = sys.modules[type(attn).__module__]
         return _Layer(index=attn.layer_idx, input_norm=_direct(layer.input_layernorm),
                       q_proj=_direct(attn.q_proj), k_proj=_direct(attn.k_proj),
                       v_proj=_direct(attn.v_proj), head_dim=attn.head_dim,
-                      scaling=attn.scaling, rotary=modeling.apply_rotary_pos_emb,
+                      scaling=attn.scaling, rotary=_rotary_function(attn),
                       o_proj=_direct(attn.o_proj), post_norm=_direct(layer.post_attention_layernorm),
                       mlp=_direct(layer.mlp))
 
@@ -112,10 +112,29 @@ class LayerLoop:
         return self.norm(hidden)
 
 
+def _rotary_function(attn: nn.Module) -> Callable | None:
+    """The `apply_rotary_pos_emb` that `attn`'s forward looks up (in its own module's
+    globals, where fused_layers.install may have replaced it)."""
+    return inspect.unwrap(type(attn).forward).__globals__.get("apply_rotary_pos_emb")
+
+
+def _overridden(module: nn.Module) -> bool:
+    """Whether calling `module` may do more than its class's `forward`: hooks, a forward
+    set on the instance (accelerate's hooks do that) or a `__call__` of its own."""
+    return bool(module._forward_hooks or module._forward_pre_hooks
+                or "forward" in vars(module) or type(module).__call__ is not nn.Module.__call__)
+
+
 def unsupported(base: nn.Module) -> str | None:
-    """Why `base` cannot take the layer loop (None: it can)."""
+    """Why `base` cannot take the layer loop (None: it can). The modules the loop calls
+    itself (norms, projections, MLPs, embeddings) may be anything; those whose code it
+    replaces (the base model, decoder layers, attention) must run exactly their class's
+    forward."""
     if os.environ.get(SWITCH, "1") == "0":
         return f"{SWITCH}=0"
+    if (nn.modules.module._global_forward_hooks
+            or nn.modules.module._global_forward_pre_hooks):
+        return "global forward hooks are registered"
     if not any(same_code(type(base).forward, ref) for ref in BASE_FORWARDS):
         return f"{type(base).__name__}.forward is not Llama's, Mistral's or Qwen2's"
     rotary = getattr(base, "rotary_emb", None)
@@ -127,7 +146,11 @@ def unsupported(base: nn.Module) -> str | None:
         attn = getattr(layer, "self_attn", None)
         if attn is None or not any(same_code(type(attn).forward, ref) for ref in KNOWN_FORWARDS):
             return f"{type(attn).__name__}.forward is not one the loop knows"
-        if not callable(getattr(sys.modules[type(attn).__module__],
-                                "apply_rotary_pos_emb", None)):
-            return "its modeling module has no apply_rotary_pos_emb"
+        if not callable(_rotary_function(attn)):
+            return "its attention's forward finds no apply_rotary_pos_emb"
+        for module in (layer, attn):
+            if _overridden(module):
+                return f"a {type(module).__name__} has hooks or its own forward or __call__"
+    if _overridden(base):
+        return f"the {type(base).__name__} has hooks or its own forward or __call__"
     return None
