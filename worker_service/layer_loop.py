@@ -84,8 +84,8 @@ class LayerLoop:
                       q_proj=_direct(attn.q_proj), k_proj=_direct(attn.k_proj),
                       v_proj=_direct(attn.v_proj), head_dim=attn.head_dim,
                       scaling=attn.scaling, rotary=_rotary_function(attn),
-                      o_proj=_direct(attn.o_proj), post_norm=_direct(layer.post_attention_layernorm),
-                      mlp=_direct(layer.mlp))
+                      o_proj=_direct(attn.o_proj),
+                      post_norm=_direct(layer.post_attention_layernorm), mlp=_direct(layer.mlp))
 
     def forward(self, batch: PackedBatch, ids: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:
