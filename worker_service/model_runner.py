@@ -264,15 +264,7 @@ class ModelRunner:
         vocab = self.model.get_input_embeddings().weight.shape[0]
         ids = (torch.arange(n, device=self.device) * 7919 + 11) % vocab
         self.kv_shape = self._kv_shape(layers)
-        group = KVGroup(self.kv_shape)
-        group.add_empty_row(0, n + 1)
-        batch = PackedBatch(self.device, self.layer_attention)
-        batch.add_row(group, 0, ids[:-1].tolist(), 0)
-        first = self.forward(batch)
-        group.fill(0, n - 1)
-        batch = PackedBatch(self.device, self.layer_attention)
-        batch.add_decode(group, 0, 1, [int(ids[-1])])
-        got = torch.cat([first, self.forward(batch)]).float()
+        got = self._probe(ids.tolist()).float()
         ref = self.base(input_ids=ids[None], attention_mask=torch.ones_like(ids[None]),
                         use_cache=False).last_hidden_state[0].float()
         err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
@@ -291,23 +283,26 @@ class ModelRunner:
             loop = layer_loop.LayerLoop(self.base)
             vocab = self.model.get_input_embeddings().weight.shape[0]
             ids = [(i * 7919 + 11) % vocab for i in range(17)]
-            got, want = [], []
-            for out, run in ((got, lambda b: self._packed(b, loop)), (want, self._packed)):
-                group = KVGroup(self.kv_shape)
-                group.add_empty_row(0, len(ids) + 1)
-                batch = PackedBatch(self.device, self.layer_attention)
-                batch.add_row(group, 0, ids[:-1], 0)
-                out.append(run(batch))
-                group.fill(0, len(ids) - 1)
-                batch = PackedBatch(self.device, self.layer_attention)
-                batch.add_decode(group, 0, 1, ids[-1:])
-                out.append(run(batch))
-            if all(torch.equal(a, b) for a, b in zip(got, want)):
+            if torch.equal(self._probe(ids, loop), self._probe(ids)):
                 logger.info("packed forwards run the plain layer loop")
                 return loop
             reason = "on a probe it does not give the bits of the model's own forward"
         logger.info("packed forwards run the model's own forward: %s", reason)
         return None
+
+    def _probe(self, ids: list[int], loop: layer_loop.LayerLoop | None = None
+               ) -> torch.Tensor:
+        """The hidden states [len(ids), hidden] of a packed prefill of ids[:-1] and then the
+        decoding step of ids[-1] over its KV, each through `_packed(batch, loop)`."""
+        group = KVGroup(self.kv_shape)
+        group.add_empty_row(0, len(ids) + 1)
+        batch = PackedBatch(self.device, self.layer_attention)
+        batch.add_row(group, 0, ids[:-1], 0)
+        first = self._packed(batch, loop)
+        group.fill(0, len(ids) - 1)
+        batch = PackedBatch(self.device, self.layer_attention)
+        batch.add_decode(group, 0, 1, ids[-1:])
+        return torch.cat([first, self._packed(batch, loop)])
 
     def _use_fallback(self, model, config, reason: str) -> list:
         """Serve `model` (loaded with its default attention) through its own attention and
