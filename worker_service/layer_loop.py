@@ -60,10 +60,8 @@ class _Layer:
 def _direct(module: nn.Module) -> Call:
     """The module's `forward` itself where nothing hooks into its call when the loop is
     built (hooks need `nn.Module.__call__`), else the module. Hooks registered later are
-    not seen: the worker registers none."""
-    hooked = (module._forward_hooks or module._forward_pre_hooks
-              or nn.modules.module._global_forward_hooks
-              or nn.modules.module._global_forward_pre_hooks)
+    not seen: the worker registers none. (Global hooks: `unsupported` refuses the loop.)"""
+    hooked = module._forward_hooks or module._forward_pre_hooks
     return module if hooked else module.forward
 
 

@@ -16,6 +16,8 @@ forward is known to call the three on one input are changed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from transformers.models.llama import modeling_llama
@@ -34,6 +36,15 @@ QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 
 
+@dataclass(slots=True)
+class _Memo:
+    """The product of the tensor last seen, until every slice of it was taken."""
+
+    input: torch.Tensor | None = None
+    output: torch.Tensor | None = None
+    served: int = 0
+
+
 class SharedProduct(nn.Module):
     """The stacked product, computed once per input tensor for the slices that share it."""
 
@@ -41,19 +52,19 @@ class SharedProduct(nn.Module):
         super().__init__()
         self.linear = linear
         self._parts = parts
-        # [input, output, slices served], mutated in place: assigning nn.Module
-        # attributes (three per slice, in every layer) took 1 ms of a thin 30-layer step.
-        self._memo: list = [None, None, 0]
+        # A plain object: assigning nn.Module attributes (three per slice, in every
+        # layer) took 1 ms of a thin 30-layer step.
+        self._memo = _Memo()
         self._product = linear.__call__  # a bound method: no second submodule
 
     def take(self, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         memo = self._memo
-        if x is not memo[0]:  # identity: a new tensor, whatever its values
-            memo[0], memo[1], memo[2] = x, self._product(x), 0
-        out = memo[1][..., lo:hi]
-        memo[2] += 1
-        if memo[2] == self._parts:  # every slice taken: hold nothing between layers
-            memo[0] = memo[1] = None
+        if x is not memo.input:  # identity: a new tensor, whatever its values
+            memo.input, memo.output, memo.served = x, self._product(x), 0
+        out = memo.output[..., lo:hi]
+        memo.served += 1
+        if memo.served == self._parts:  # every slice taken: hold nothing between layers
+            memo.input = memo.output = None
         return out
 
 
