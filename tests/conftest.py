@@ -14,6 +14,22 @@ MODELS = Path(os.environ.get("SEQSERVE_TEST_MODELS", REPO / "models" / "test"))
 ARCHITECTURES = ("llama", "gpt2", "qwen2", "mistral", "gpt_neox", "opt")
 
 
+def _onednn_bf16() -> bool:
+    import torch
+
+    from worker_service.kernels import linear_prepack
+
+    return linear_prepack.runs(torch.bfloat16)
+
+
+# Tests of the bfloat16 CPU fast paths (prepacked and stacked products, the C loops inside
+# a runner, batch-invariant mode): where oneDNN has no bfloat16 path (AVX2-only CPUs) a
+# bfloat16 model computes in float32 and none of them is on.
+needs_onednn_bf16 = pytest.mark.skipif(
+    not _onednn_bf16(), reason="this CPU has no oneDNN bfloat16 path: bfloat16 models "
+    "compute in float32 here")
+
+
 def tiny_model(arch: str = "llama") -> Path:
     """A tiny random-weight model of `arch` (written once, reused across runs)."""
     from worker_service.fixtures import make_model

@@ -9,7 +9,7 @@ import pytest
 
 from client import AsyncClient, Client
 from seqserve_common.config import ConfigError, load_config
-from tests.conftest import MODELS, tiny_model
+from tests.conftest import MODELS, needs_onednn_bf16, tiny_model
 from worker_service.fixtures import make_model
 
 # Different prompts of different lengths; the batch is full with all of them.
@@ -35,6 +35,7 @@ def test_option_is_a_validated_serving_option():
         load_config(env={}, overrides={"batch_invariant": "sometimes"})
 
 
+@needs_onednn_bf16
 def test_load_check_finds_the_one_row_product_and_the_option_removes_it(wide_bf16):
     from worker_service import batch_invariance
     from worker_service.model_runner import ModelRunner
@@ -47,6 +48,7 @@ def test_load_check_finds_the_one_row_product_and_the_option_removes_it(wide_bf1
         ModelRunner(str(tiny_model("llama")), dtype="float32", batch_invariant=True)
 
 
+@needs_onednn_bf16
 def test_bf16_request_alone_equals_it_in_a_full_batch(wide_bf16, deploy):
     d = deploy(wide_bf16, {"dtype": "bf16", "batch_invariant": "true"},
                max_rolling_batch_size=len(PROMPTS))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import shutil
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from tests import reference
-from tests.conftest import ARCHITECTURES, tiny_model
+from tests.conftest import ARCHITECTURES, needs_onednn_bf16, tiny_model
 from worker_service.engine import Engine, StepError
 from worker_service.model_runner import ModelRunner
 from worker_service.sequence import DecodingParams
@@ -91,6 +92,57 @@ def test_step_rejects_inconsistent_plans(llama_dir):
         engine.step([], [PrefillSpec(1, [5], 0, DecodingParams())], [[1]])
 
 
+def _greedy_steps(runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
+    engine = Engine(runner)
+    got = [t.token_id for t in engine.step(
+        [], [PrefillSpec(0, prompt, 0, DecodingParams())], [[0]]).tokens]
+    for _ in range(n - 1):
+        got += [t.token_id for t in engine.step([], [], [[0]]).tokens]
+    return got
+
+
+def test_bfloat16_without_a_onednn_path_computes_in_float32(monkeypatch, caplog):
+    """Where oneDNN has no bfloat16 path (AVX2-only CPUs) torch's own bfloat16 products run
+    4-6x slower than float32's, so the worker computes a bfloat16 checkpoint in float32,
+    which holds every weight exactly: greedy tokens are generate's on the float32 copy.
+    The weights stay bfloat16 where the C products build (kernels/bf16_weights.py), else
+    the model is copied to float32, else (no memory for the copy) it stays bfloat16."""
+    from worker_service import cpu_dtype
+    from worker_service.fixtures import make_model
+    from worker_service.kernels import bf16_weights, linear_prepack
+
+    model_dir = make_model(tiny_model("llama").parent / "tiny-llama-bf16", arch="llama",
+                           size="tiny", dtype="bfloat16", seed=0)
+    monkeypatch.setattr(linear_prepack, "runs", lambda dtype: dtype == torch.float32)
+    prompt = [(i * 37 + 5) % 900 + 3 for i in range(23)]
+    expected = _reference(model_dir, prompt, 12)
+
+    def load():
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="worker_service.cpu_dtype"):
+            return ModelRunner(str(model_dir), dtype="bfloat16")
+
+    if bf16_weights.library() is not None:
+        runner = load()
+        assert ("float32, with the weights of 16 linear layers and embeddings kept in "
+                "bfloat16 (kernels/bf16_weights.py), and the linear ones also in float32"
+                in caplog.text)
+        assert runner.lm_head.weight.dtype == torch.bfloat16
+        assert (runner.dtype, runner.kv_dtype, runner.facts.dtype) == (
+            torch.float32, torch.float32, "float32")
+        assert _greedy_steps(runner, prompt, 12) == expected
+    monkeypatch.setattr(bf16_weights, "library", lambda: None)
+    runner = load()
+    assert "no native bfloat16" in caplog.text and "(exact conversion" in caplog.text
+    assert runner.lm_head.weight.dtype == torch.float32
+    assert (runner.dtype, runner.kv_dtype, runner.facts.dtype) == (
+        torch.float32, torch.float32, "float32")
+    assert _greedy_steps(runner, prompt, 12) == expected
+    monkeypatch.setattr(cpu_dtype, "available_memory", lambda: 1024)
+    assert load().dtype == torch.bfloat16 and "the model stays in bfloat16" in caplog.text
+
+
+@needs_onednn_bf16
 def test_prepacked_linears_change_no_bit():
     """bfloat16 on CPU runs the linear layers with oneDNN-prepacked weights; the outputs of
     a step (prefills and decodes of several groups) equal those of plain F.linear exactly:
@@ -172,13 +224,15 @@ NATIVE_SHAPES = [(4, 4, None, 16), (4, 2, None, 16), (6, 2, 5, 16), (4, 2, None,
 def test_kv_buffers_skip_the_zero_fill_only_where_the_native_loops_read_them(monkeypatch):
     """bfloat16 on CPU with the native loops: buffers are left unfilled (only rows' own
     slots are read); float32, or no native loops (SDPA reads masked padding): zero-filled."""
-    from worker_service.kernels import native_attention
     from worker_service.fixtures import make_model
+    from worker_service.kernels import linear_prepack, native_attention
     from worker_service.kv_groups import KVGroup
 
     bf16_dir = make_model(tiny_model("llama").parent / "tiny-llama-bf16", arch="llama",
                           size="tiny", dtype="bfloat16", seed=0)
-    assert not ModelRunner(str(bf16_dir), dtype="bfloat16").kv_shape.reads_padding
+    # (Where oneDNN has no bfloat16 path the model computes, and keeps its KV, in float32.)
+    native = linear_prepack.runs(torch.bfloat16)
+    assert ModelRunner(str(bf16_dir), dtype="bfloat16").kv_shape.reads_padding != native
     # Head sizes past the C loops' limit go to SDPA (zero-filled buffers, by the rule above).
     big = torch.zeros(2, 2, 8, native_attention.MAX_DIM + 64, dtype=torch.bfloat16)
     assert not native_attention.supports(big[:1, :, :1], big, big)

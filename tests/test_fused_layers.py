@@ -9,7 +9,7 @@ from transformers import LlamaConfig, Qwen2Config
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 
-from tests.conftest import tiny_model
+from tests.conftest import needs_onednn_bf16, tiny_model
 from worker_service.engine import Engine
 from worker_service.fixtures import make_model
 from worker_service.kernels import fused_layers, fused_projections
@@ -114,6 +114,7 @@ def test_silu_gate_product_over_every_bfloat16_gate():
     assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
 
 
+@needs_onednn_bf16
 def test_install_touches_only_llama_style_code_in_bfloat16_on_cpu():
     llama = ModelRunner(str(bf16_model("llama")), dtype="bfloat16", prepack=False).model
     assert fused_layers.install(llama) == (2 * 2 + 1, 1)  # 2 layers x 2 norms + final norm
@@ -126,6 +127,7 @@ def test_install_touches_only_llama_style_code_in_bfloat16_on_cpu():
     assert fused_layers.install_mlp(fp32) == 0
 
 
+@needs_onednn_bf16
 def test_tokens_with_and_without_the_c_loops(monkeypatch):
     """A bfloat16 model decodes the same greedy tokens, with log-probabilities within
     float32 noise, through the C loops and through transformers' eager code."""
@@ -156,6 +158,7 @@ def _decode(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[l
     return [sorted((t.seq_id, t.token_id, t.logprob) for t in s.tokens) for s in results]
 
 
+@needs_onednn_bf16
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_stacked_products_give_the_same_bits(monkeypatch, arch):
     """One product for q, k and v and one for gate and up (read by the C SiLU product's
@@ -183,6 +186,7 @@ def test_qkv_stacking_leaves_other_code_and_dtypes_alone():
     assert fused_projections.fuse_qkv(gpt2) == fused_projections.fuse_gate_up(gpt2) == 0
 
 
+@needs_onednn_bf16
 def test_stacked_qkv_product_with_biases():
     """The fixtures' biases are zero: here Qwen2's q/k/v biases are random."""
     config = Qwen2Config(hidden_size=64, intermediate_size=96, num_attention_heads=4,

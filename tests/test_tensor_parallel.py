@@ -17,7 +17,7 @@ from transformers import AutoTokenizer, LlamaConfig
 
 from client import AsyncClient, Client
 from tests import reference
-from tests.conftest import tiny_model
+from tests.conftest import needs_onednn_bf16, tiny_model
 from tests.test_architectures import odd_model
 from worker_service.tensor_parallel import TensorParallelError, shard_kwargs
 
@@ -145,6 +145,7 @@ def _prepacked_rank(rank: int, init: str, model: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+@needs_onednn_bf16
 def test_prepacked_shards_compute_what_the_plain_shards_do(tmp_path):
     """bfloat16 under tensor parallelism: each rank's column- and row-wise layers and the
     gathered output layer run prepacked shards, with the very bits of transformers' own."""

@@ -38,6 +38,9 @@ def unsupported(runner) -> str | None:
     """Why batch-invariant mode cannot run `runner`'s model; None if it can."""
     if runner.device.type != "cpu":
         return f"it is implemented for CPU workers, not {runner.device.type}"
+    if not linear_prepack.runs(torch.bfloat16):
+        return ("oneDNN cannot prepack bfloat16 linear layers on this CPU (bfloat16 models "
+                "compute in float32 here)")
     if runner.dtype != torch.bfloat16:
         return (f"it is implemented for bfloat16 models, not {runner.dtype} (set "
                 "option.dtype=bf16)")
@@ -46,8 +49,6 @@ def unsupported(runner) -> str | None:
     if runner.kv_dtype != torch.bfloat16 or runner.kv_shape.reads_padding:
         return ("its attention must run in the native bfloat16 loops (bfloat16 KV, a C "
                 "compiler, SEQSERVE_NATIVE_ATTENTION not 0)")
-    if not linear_prepack.runs(torch.bfloat16):
-        return "oneDNN cannot prepack bfloat16 linear layers on this CPU"
     return None
 
 

@@ -16,7 +16,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from seqserve_common.model_source import gguf_kwargs, model_files
-from worker_service import attention, batch_invariance, layer_loop, tensor_parallel
+from worker_service import (attention, batch_invariance, cpu_dtype, layer_loop,
+                            tensor_parallel)
 from worker_service.kernels import (fused_layers, fused_projections, linear_prepack,
                                     native_attention, sharded_prepack)
 from worker_service.fallback import OwnAttention
@@ -192,18 +193,10 @@ class ModelRunner:
 
     def _place(self, model):
         """Make `model` the runner's model (its dtype settled for this device); returns it."""
-        if (self.device.type == "cpu" and model.dtype == torch.float16
-                and not linear_prepack.runs(torch.float16)):
-            # float32 holds every float16 value exactly, so the weights convert without loss
-            # and only rounding inside operations changes (it shrinks); bfloat16 would drop
-            # three mantissa bits of every weight. torch's own float16 CPU kernels run here,
-            # but without native float16 a 256-row product takes twice float32's time.
-            logger.warning("this CPU has no native float16 (%s): the float16 model computes "
-                           "in float32 (exact conversion, twice the memory)",
-                           linear_prepack.half_reason())
-            model = model.float()
+        if self.device.type == "cpu":
+            model = cpu_dtype.settle(model)
         self.model = model
-        self.dtype = model.dtype
+        self.dtype = cpu_dtype.compute_dtype(model)
         self.base = model.base_model
         if self.base is model:  # e.g. Llama4ForCausalLM, whose prefix names no submodule
             self.base = next((m for m in (getattr(model, "model", None),

@@ -9,8 +9,10 @@ not grow.
 
 Whether oneDNN can run a dtype depends on the CPU: float16 needs AVX512-FP16 or
 AVX-NE-CONVERT (Sapphire Rapids, Granite Rapids, recent client cores; an AMD EPYC with
-AVX512-BF16 has neither), and on others the reorder raises. `runs` tries the packed
-product once per dtype, on a 16 x 16 weight, before any layer is swapped.
+AVX512-BF16 has neither), bfloat16 AVX512-BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only EPYC,
+Zen 3 and older, has neither), and on others the reorder raises. `runs` tries the packed
+product once per dtype, on a 16 x 16 weight, before any layer is swapped; where it fails,
+ModelRunner computes the model in float32.
 """
 
 from __future__ import annotations
@@ -92,14 +94,15 @@ def runs(dtype: torch.dtype) -> bool:
     return _try(dtype) is None
 
 
-def half_reason() -> str:
-    """Why float16 has no fast path on this CPU, in words (flags and oneDNN's answer)."""
+def half_reason(dtype: torch.dtype) -> str:
+    """Why `dtype` (float16 or bfloat16) has no fast path on this CPU, in words (flags and
+    oneDNN's answer)."""
     flags = cpu_flags()
-    have = sorted(f for f in ("avx512_fp16", "avx_ne_convert", "avx512_bf16", "amx_fp16")
-                  if f in flags)
-    return (f"CPU flags {', '.join(have) or 'none of avx512_fp16/avx_ne_convert'}, torch "
-            f"capability {torch.backends.cpu.get_cpu_capability()}; oneDNN: "
-            f"{_try(torch.float16) or 'runs'}")
+    have = sorted(f for f in ("avx512_fp16", "avx_ne_convert", "avx512_bf16", "avx512bw",
+                              "amx_bf16", "amx_fp16") if f in flags)
+    return (f"CPU flags {', '.join(have) or 'none of avx512_fp16/avx512_bf16/avx_ne_convert'}"
+            f", torch capability {torch.backends.cpu.get_cpu_capability()}; oneDNN: "
+            f"{_try(dtype) or 'runs'}")
 
 
 def supported(model: nn.Module) -> bool:

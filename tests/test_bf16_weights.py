@@ -1,0 +1,69 @@
+"""kernels/bf16_weights.py: float32 products over bfloat16 weights (CPUs without native
+bfloat16) give the float32 copy's results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker_service.kernels import bf16_weights
+
+pytestmark = pytest.mark.skipif(bf16_weights.library() is None,
+                                reason="no C compiler or no AVX2 and FMA on this CPU")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17, 24, 25, 64])
+@pytest.mark.parametrize("k,n,bias,large", [(576, 960, False, False), (100, 13, True, False),
+                                            (7, 5, True, False), (576, 960, False, True)])
+@pytest.mark.parametrize("copy", [False, True])
+def test_product_equals_the_float32_copys(monkeypatch, rows, k, n, bias, large, copy):
+    if large:  # the output layer's rule: the C loop up to LARGE_WEIGHT_ROWS rows
+        monkeypatch.setattr(bf16_weights, "LARGE_WEIGHT", k * n)
+    g = torch.Generator().manual_seed(rows * 1000 + k + n)
+    linear = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n, k, generator=g))
+        if bias:
+            linear.bias.copy_(torch.randn(n, generator=g))
+    # A strided input: every other row of a larger tensor, as a packed batch's slices are.
+    x = torch.randn(1, 2 * rows, k, generator=g)[:, ::2]
+    with torch.inference_mode():
+        expected = F.linear(x, linear.weight.float(), None if not bias else linear.bias.float())
+        got = bf16_weights.Bf16WeightLinear(linear, copy)(x)
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    small = (bf16_weights.SMALL_ROWS_WITH_COPY if copy else
+             bf16_weights.LARGE_WEIGHT_ROWS if large else bf16_weights.SMALL_ROWS)
+    if rows > small:
+        assert torch.equal(got, expected)  # torch's float32 product on the float32 weight
+    else:
+        # The C loop sums in another order: float32 rounding of a k-term sum, no more.
+        scale = (x.abs() @ linear.weight.float().abs().T) + 1
+        assert ((got - expected).abs() / scale).max() < 1e-5
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_install_keeps_bfloat16_weights_once_and_computes_in_float32(copy):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=2, vocab_size=300,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    reference = LlamaForCausalLM(config).eval()
+    reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    assert bf16_weights.install(model, copy) == 2 * 7 + 2  # 7 products a layer, lm_head, embedding
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert embed.weight.dtype == head.weight.dtype == torch.bfloat16
+    assert embed.weight.data_ptr() == head.weight.data_ptr()  # tied: one table
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert (head.wide is not None) == copy
+    ids = torch.tensor([[(i * 37) % 300 for i in range(40)]])  # 40 rows: the many-row path
+    with torch.inference_mode():
+        got = model(ids).logits
+        expected = reference(ids).logits
+    assert got.dtype == torch.float32
+    assert (got - expected).abs().max() < 1e-4
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))

@@ -1,0 +1,76 @@
+"""The dtype a half-precision model computes in on a CPU without a native path for it.
+
+float32 holds every float16 and bfloat16 value exactly, so the weights convert without loss
+and only rounding inside operations changes (it shrinks). Without oneDNN's half-precision
+path torch runs its own reference kernels: bfloat16 products of 16-64 rows at SmolLM2's
+shapes 4-6x slower than float32 on an AVX2 EPYC, float16 twice as slow on an AVX512 one.
+So such a model computes in float32: a bfloat16 one over its bfloat16 weights where the C
+products build (kernels/bf16_weights.py: a decoding step costs bfloat16's bytes), else as a
+float32 copy; where a float32 copy would take more than half the free memory, a model
+keeps its dtype and the log says it is slow.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from worker_service.kernels import bf16_weights, linear_prepack
+
+logger = logging.getLogger(__name__)
+
+_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def available_memory() -> int | None:
+    """Bytes of memory Linux says a new allocation can take (MemAvailable); None elsewhere."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def settle(model: nn.Module) -> nn.Module:
+    """`model` (on CPU) made to compute in float32 where its half precision has no oneDNN
+    path on this CPU (above); returns it, or its float32 copy."""
+    if model.dtype not in _NAMES or linear_prepack.runs(model.dtype):
+        return model
+    name, why = _NAMES[model.dtype], linear_prepack.half_reason(model.dtype)
+    available = available_memory()
+
+    def fits(extra: int) -> bool:
+        return available is None or extra <= available // 2
+
+    extra = sum(p.numel() * 2 for p in model.parameters() if p.dtype == model.dtype)
+    copy = fits(bf16_weights.copy_bytes(model))
+    kept = bf16_weights.install(model, copy) if model.dtype == torch.bfloat16 else 0
+    if kept:
+        logger.warning("this CPU has no native bfloat16 (%s): the model computes in float32, "
+                       "with the weights of %d linear layers and embeddings kept in bfloat16 "
+                       "(kernels/bf16_weights.py)%s", why, kept,
+                       ", and the linear ones also in float32 for products of many rows"
+                       if copy else "; no float32 copy of them: not enough free memory")
+        return model
+    if not fits(extra):
+        logger.warning("this CPU has no native %s (%s), and a float32 copy would take %.1f GiB "
+                       "more of %.1f GiB available: the model stays in %s, whose products run "
+                       "several times slower here than float32", name, why, extra / 2**30,
+                       available / 2**30, name)
+        return model
+    logger.warning("this CPU has no native %s (%s): the model computes in float32 (exact "
+                   "conversion, twice the memory)", name, why)
+    return model.float()
+
+
+def compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype `model`'s hidden states have: float32 where bf16_weights installed its
+    modules (their weights are bfloat16, the rest float32), else the model's."""
+    if any(isinstance(m, bf16_weights.Bf16WeightLinear) for m in model.modules()):
+        return torch.float32
+    return model.dtype
