@@ -36,9 +36,10 @@ def available_memory() -> int | None:
     return None
 
 
-def settle(model: nn.Module) -> nn.Module:
+def settle(model: nn.Module, swap_modules: bool = True) -> nn.Module:
     """`model` (on CPU) made to compute in float32 where its half precision has no oneDNN
-    path on this CPU (above); returns it, or its float32 copy."""
+    path on this CPU (above); returns it, or its float32 copy. `swap_modules` False (a
+    tensor-parallel shard, whose plan wraps the linear layers): no bfloat16 weights kept."""
     if model.dtype not in _NAMES or linear_prepack.runs(model.dtype):
         return model
     name, why = _NAMES[model.dtype], linear_prepack.half_reason(model.dtype)
@@ -49,7 +50,8 @@ def settle(model: nn.Module) -> nn.Module:
 
     extra = sum(p.numel() * 2 for p in model.parameters() if p.dtype == model.dtype)
     copy = fits(bf16_weights.copy_bytes(model))
-    kept = bf16_weights.install(model, copy) if model.dtype == torch.bfloat16 else 0
+    kept = (bf16_weights.install(model, copy)
+            if swap_modules and model.dtype == torch.bfloat16 else 0)
     if kept:
         logger.warning("this CPU has no native bfloat16 (%s): the model computes in float32, "
                        "with the weights of %d linear layers and embeddings kept in bfloat16 "

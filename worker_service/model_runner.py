@@ -129,7 +129,7 @@ class ModelRunner:
                 path, dtype="auto" if dtype == "auto" else DTYPES[dtype],
                 trust_remote_code=trust_remote_code, **extra, **shard,
                 **gguf_kwargs(gguf_file, weights=True))
-            return self._place(model.to(self.device).eval())
+            return self._place(model.to(self.device).eval(), sharded=bool(shard))
 
         layers = None
         if reason is None:
@@ -191,10 +191,10 @@ class ModelRunner:
                     self.kv_shape.bytes_per_token,
                     "fallback path" if self.fallback is not None else "packed path")
 
-    def _place(self, model):
+    def _place(self, model, sharded: bool):
         """Make `model` the runner's model (its dtype settled for this device); returns it."""
         if self.device.type == "cpu":
-            model = cpu_dtype.settle(model)
+            model = cpu_dtype.settle(model, swap_modules=not sharded)
         self.model = model
         self.dtype = cpu_dtype.compute_dtype(model)
         self.base = model.base_model
