@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
@@ -27,8 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker_service.kernels import native_build
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("bf16_weights.c")
 _P, _I = native_build.P, native_build.I64

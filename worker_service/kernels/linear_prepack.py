@@ -12,7 +12,7 @@ AVX-NE-CONVERT (Sapphire Rapids, Granite Rapids, recent client cores; an AMD EPY
 AVX512-BF16 has neither), bfloat16 AVX512-BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only EPYC,
 Zen 3 and older, has neither), and on others the reorder raises. `runs` tries the packed
 product once per dtype, on a 16 x 16 weight, before any layer is swapped; where it fails,
-ModelRunner computes the model in float32.
+the model computes in float32 (worker_service/cpu_dtype.py).
 """
 
 from __future__ import annotations
