@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(bf16_weights.library() is None,
                                 reason="no C compiler or no AVX2 and FMA on this CPU")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17, 24, 25, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17, 24, 25, 64, 129])
 @pytest.mark.parametrize("k,n,bias,large", [(576, 960, False, False), (100, 13, True, False),
                                             (7, 5, True, False), (576, 960, False, True)])
 @pytest.mark.parametrize("copy", [False, True])
@@ -33,8 +33,7 @@ def test_product_equals_the_float32_copys(monkeypatch, rows, k, n, bias, large, 
         expected = F.linear(x, linear.weight.float(), None if not bias else linear.bias.float())
         got = bf16_weights.Bf16WeightLinear(linear, copy)(x)
     assert got.dtype == torch.float32 and got.shape == expected.shape
-    small = (bf16_weights.SMALL_ROWS_WITH_COPY if copy else
-             bf16_weights.LARGE_WEIGHT_ROWS if large else bf16_weights.SMALL_ROWS)
+    small = bf16_weights.LARGE_WEIGHT_ROWS if large else bf16_weights.SMALL_ROWS
     if rows > small:
         assert torch.equal(got, expected)  # torch's float32 product on the float32 weight
     else:

@@ -216,29 +216,32 @@ def test_kv_dtype_auto_on_cpu_is_bfloat16_with_the_native_loop_else_float32(monk
 
 
 # Head sizes: 16 takes the portable loop; 64 and 128 the AVX512-BF16 one where the CPU has
-# it, with the size fixed at compile time; 96 the AVX512-BF16 one with a run-time size.
+# it, with the size fixed at compile time; 96 the AVX512-BF16 one with a run-time size. In
+# float32 (AVX2): 64 and 128 fixed, 16 and 96 at run time, 20 the portable loop.
 NATIVE_SHAPES = [(4, 4, None, 16), (4, 2, None, 16), (6, 2, 5, 16), (4, 2, None, 64),
-                 (6, 2, 5, 128), (2, 1, None, 96)]
+                 (6, 2, 5, 128), (2, 1, None, 96), (2, 1, 3, 20)]
 
 
 def test_kv_buffers_skip_the_zero_fill_only_where_the_native_loops_read_them(monkeypatch):
-    """bfloat16 on CPU with the native loops: buffers are left unfilled (only rows' own
-    slots are read); float32, or no native loops (SDPA reads masked padding): zero-filled."""
+    """bfloat16 or float32 on CPU with the native loops: buffers are left unfilled (only
+    rows' own slots are read); KV of another dtype than the model's, or no native loops
+    (SDPA reads masked padding): zero-filled."""
     from worker_service.fixtures import make_model
-    from worker_service.kernels import linear_prepack, native_attention
+    from worker_service.kernels import native_attention
     from worker_service.kv_groups import KVGroup
 
     bf16_dir = make_model(tiny_model("llama").parent / "tiny-llama-bf16", arch="llama",
                           size="tiny", dtype="bfloat16", seed=0)
     # (Where oneDNN has no bfloat16 path the model computes, and keeps its KV, in float32.)
-    native = linear_prepack.runs(torch.bfloat16)
-    assert ModelRunner(str(bf16_dir), dtype="bfloat16").kv_shape.reads_padding != native
+    assert not ModelRunner(str(bf16_dir), dtype="bfloat16").kv_shape.reads_padding
     # Head sizes past the C loops' limit go to SDPA (zero-filled buffers, by the rule above).
     big = torch.zeros(2, 2, 8, native_attention.MAX_DIM + 64, dtype=torch.bfloat16)
     assert not native_attention.supports(big[:1, :, :1], big, big)
     assert native_attention.supports(big[:1, :, :1, :64], big[..., :64].contiguous(),
                                      big[..., :64].contiguous())
-    assert ModelRunner(str(tiny_model("llama")), dtype="float32").kv_shape.reads_padding
+    assert not ModelRunner(str(tiny_model("llama")), dtype="float32").kv_shape.reads_padding
+    assert ModelRunner(str(tiny_model("llama")), dtype="float32",
+                       kv_dtype="bfloat16").kv_shape.reads_padding
     monkeypatch.setattr(native_attention, "kernel", lambda: None)
     runner = ModelRunner(str(bf16_dir), dtype="bfloat16", kv_dtype="bfloat16")
     assert runner.kv_shape.reads_padding
@@ -247,12 +250,13 @@ def test_kv_buffers_skip_the_zero_fill_only_where_the_native_loops_read_them(mon
     assert all((t == 0).all() for t in group.keys + group.values)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads,window,dim", NATIVE_SHAPES)
-def test_native_decode_attention_matches_masked_sdpa(heads, kv_heads, window, dim):
+def test_native_decode_attention_matches_masked_sdpa(heads, kv_heads, window, dim, dtype):
     """The C loop against float32 SDPA with the row masks the worker builds: padded rows of
     different lengths (blocks of 16 slots and the rest), a segment starting past row 0,
     grouped-query heads, a sliding window; 18-54 (row, head) pairs, enough for it to split
-    them over threads."""
+    them over threads. bfloat16 KV, or float32 (a model computing in float32)."""
     from worker_service.kernels import native_attention
     from worker_service.attention import build_mask
 
@@ -260,10 +264,10 @@ def test_native_decode_attention_matches_masked_sdpa(heads, kv_heads, window, di
     assert native_attention.kernel() is not None
     g = torch.Generator().manual_seed(heads + kv_heads + dim)
     rows, cap, row_start = 9, 40, 2
-    keys = torch.randn(rows + row_start + 1, kv_heads, cap, dim, generator=g).bfloat16()
-    values = torch.randn(keys.shape, generator=g).bfloat16()
+    keys = torch.randn(rows + row_start + 1, kv_heads, cap, dim, generator=g).to(dtype)
+    values = torch.randn(keys.shape, generator=g).to(dtype)
     slots = torch.tensor([0, 7, 19, 33, 12, 3, 38, 1, 25])  # each row's new token's slot
-    query = torch.randn(rows, heads, dim, generator=g).bfloat16()
+    query = torch.randn(rows, heads, dim, generator=g).to(dtype)
     got = native_attention.attend(query, keys, values, row_start, slots + 1,
                                   int(slots.max()) + 1, 0.25, window)
     kv_len = int(slots.max()) + 1
@@ -272,8 +276,9 @@ def test_native_decode_attention_matches_masked_sdpa(heads, kv_heads, window, di
     v = values[row_start:row_start + rows, :, :kv_len].float().repeat_interleave(heads // kv_heads, 1)
     want = torch.nn.functional.scaled_dot_product_attention(
         query.float()[:, :, None], k, v, attn_mask=mask, scale=0.25)[:, :, 0]
-    assert got.dtype == torch.bfloat16 and got.shape == query.shape
-    assert (got.float() - want).abs().max() < 0.02  # one bfloat16 rounding of values ~1
+    assert got.dtype == dtype and got.shape == query.shape
+    # bfloat16: one rounding of values ~1; float32: only the order of the sums differs
+    assert (got.float() - want).abs().max() < (0.02 if dtype == torch.bfloat16 else 1e-5)
 
 
 @pytest.mark.parametrize("heads,kv_heads,window,dim", NATIVE_SHAPES)

@@ -174,7 +174,7 @@ class PackedBatch:
                 rows = seg.num_tokens
                 k_buf, v_buf = seg.group.keys[layer], seg.group.values[layer]
                 if spec.native and native_attention.supports(query, k_buf, v_buf):
-                    # On CPU with bfloat16 KV: a C loop over each row's own slots.
+                    # On CPU: a C loop over each row's own slots.
                     out[0, a:b] = native_attention.attend(
                         query[0, :, a:b].transpose(0, 1), k_buf, v_buf, seg.row_start,
                         seg.ends, seg.kv_len, scaling, window)
@@ -204,7 +204,8 @@ class PackedBatch:
                 out[0, a:b] = o.reshape(rows, heads, -1)
                 continue
             k_buf, v_buf = seg.group.keys[layer], seg.group.values[layer]
-            if not seg.tree and spec.native and native_attention.supports(query, k_buf, v_buf):
+            if (not seg.tree and spec.native
+                    and native_attention.supports_prompt(query, k_buf, v_buf)):
                 # Causal over the row's slots, prefix and window included: the C loop
                 # reads the keys this segment just wrote (2.4x SDPA's speed at 512 tokens).
                 out[0, a:b] = native_attention.attend_prompt(

@@ -31,11 +31,11 @@ SOURCE = Path(__file__).with_name("bf16_weights.c")
 _P, _I = native_build.P, native_build.I64
 FUNCTIONS = {"linear_bf16w": ([_P, _P, _P, _P, _I, _I, _I, _I], None),
              "bf16w_vectorized": ([], ctypes.c_int)}
-# Rows up to which the C loop beats torch's float32 product: over a float32 copy of the
-# weight (kept where memory allows), and without one, over the weight widened per call
-# (for weights too large for that copy to stay in cache, an output layer, further).
-# Measured on an AVX2 EPYC, 2 threads, at SmolLM2's shapes (docs/benchmarks.md).
-SMALL_ROWS_WITH_COPY = 16
+# Rows up to which the C loop beats torch's float32 product, over a float32 copy of the
+# weight (kept where memory allows) or over the weight widened per call: 24, and 128 for
+# weights too large to stay in cache (an output layer), which torch's product reads from
+# memory more than once. Measured on an AVX2 EPYC, 2 threads, at SmolLM2's shapes
+# (docs/benchmarks.md).
 SMALL_ROWS = 24
 LARGE_WEIGHT, LARGE_WEIGHT_ROWS = 1 << 22, 128
 
@@ -77,11 +77,9 @@ class Bf16WeightLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
         rows = x.numel() // self.in_features
-        if self.wide is not None:
-            if rows > SMALL_ROWS_WITH_COPY:
-                return F.linear(x, self.wide, self.bias)
-        elif rows > (LARGE_WEIGHT_ROWS if self.weight.numel() >= LARGE_WEIGHT else SMALL_ROWS):
-            return F.linear(x, _Scratch.widen(self.weight), self.bias)
+        if rows > (LARGE_WEIGHT_ROWS if self.weight.numel() >= LARGE_WEIGHT else SMALL_ROWS):
+            wide = self.wide if self.wide is not None else _Scratch.widen(self.weight)
+            return F.linear(x, wide, self.bias)
         flat = x.reshape(rows, self.in_features)
         if flat.stride(-1) != 1:
             flat = flat.contiguous()

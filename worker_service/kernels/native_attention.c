@@ -1,11 +1,12 @@
-/* Attention over bfloat16 KV buffers on CPU: decoding (one query per row) and prompts.
+/* Attention over bfloat16 KV buffers on CPU: decoding (one query per row) and prompts;
+ * decoding over float32 KV too (a model computing in float32).
  *
  * Built and loaded at run time by native_attention.py (plain C, no torch headers). torch's
  * CPU kernels read bfloat16 keys one query row at a time far below memory speed; these
  * loops stream each row's keys and values once, keep scores and sums in float32, and read
  * only the row's own slots (no padding).
  *
- * Layout (element strides, bfloat16 as uint16):
+ * Layout (element strides, bfloat16 as uint16, or float32):
  *   q    [rows, heads, dim]                       contiguous
  *   k, v [rows, kv_heads, slots, dim]             row stride row_stride, head stride
  *                                                 head_stride, slot stride dim
@@ -24,26 +25,40 @@
 /* (row, head) pairs below which a call stays on one thread. */
 #define MIN_PAIRS_PER_THREAD 16
 
-static void attend_one_generic(const uint16_t *qh, const uint16_t *kh, const uint16_t *vh,
-                               uint16_t *o, int64_t end, int64_t dim, float scale,
-                               int64_t window, float *scores) {
+/* Element i of a bfloat16 (uint16) or float32 buffer; `bf16` is a constant wherever this
+ * is inlined, so each caller gets a loop of one type. */
+static inline __attribute__((always_inline)) float load_at(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline __attribute__((always_inline)) void store_at(void *p, int64_t i, float x,
+                                                           int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = float_to_bf16(x);
+    else
+        ((float *)p)[i] = x;
+}
+
+static inline __attribute__((always_inline)) void
+attend_one_generic(const void *qh, const void *kh, const void *vh, void *o, int64_t end,
+                   int64_t dim, float scale, int64_t window, float *scores, int bf16) {
     const int64_t first = (window > 0 && end > window) ? end - window : 0;
     float qf[MAX_DIM], acc[MAX_DIM];
     for (int64_t d = 0; d < dim; d++)
-        qf[d] = bf16_to_float(qh[d]) * scale;
+        qf[d] = load_at(qh, d, bf16) * scale;
     float best = -INFINITY;
     for (int64_t s = first; s < end; s++) {
-        const uint16_t *ks = kh + s * dim;
+        const int64_t at = s * dim;
         /* 16 partial sums: the compiler vectorizes the lanes without reordering any one
          * sum (no -ffast-math). */
         float part[16] = {0.f};
         int64_t d = 0;
         for (; d + 16 <= dim; d += 16)
             for (int i = 0; i < 16; i++)
-                part[i] += qf[d + i] * bf16_to_float(ks[d + i]);
+                part[i] += qf[d + i] * load_at(kh, at + d + i, bf16);
         float dot = 0.f;
         for (; d < dim; d++)
-            dot += qf[d] * bf16_to_float(ks[d]);
+            dot += qf[d] * load_at(kh, at + d, bf16);
         for (int i = 0; i < 16; i++)
             dot += part[i];
         scores[s - first] = dot;
@@ -58,16 +73,136 @@ static void attend_one_generic(const uint16_t *qh, const uint16_t *kh, const uin
     for (int64_t d = 0; d < dim; d++)
         acc[d] = 0.f;
     for (int64_t s = first; s < end; s++) {
-        const uint16_t *vs = vh + s * dim;
         const float p = scores[s - first];
         for (int64_t d = 0; d < dim; d++)
-            acc[d] += p * bf16_to_float(vs[d]);
+            acc[d] += p * load_at(vh, s * dim + d, bf16);
     }
     const float inv = n > 0 ? 1.f / total : 0.f;
     for (int64_t d = 0; d < dim; d++)
-        o[d] = float_to_bf16(acc[d] * inv);
+        store_at(o, d, acc[d] * inv, bf16);
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* Lane j: the sum of a[j]'s 8 lanes. */
+static inline __m256 sum8(const __m256 a[8]) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    /* u0: the low and high halves' sums of a[0..3], u1 those of a[4..7] */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* exp(x) for x <= 0, 8 lanes, as bf16.h's exp_le0: x = n ln2 + r, degree-6 Taylor
+ * polynomial of exp(r), times 2^n built in the exponent bits; below -87 gives 0. */
+static inline __m256 exp8_le0(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    /* n >= -126 after the clamp: 2^n is a normal float */
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* As attend_one_generic over float32 KV, for dim a multiple of 8: 8 slots' dot products
+ * at a time, reduced together by sum8. */
+static inline __attribute__((always_inline)) void
+attend_one_f32_avx2(const float *qh, const float *kh, const float *vh, float *o, int64_t end,
+                    const int64_t dim, float scale, int64_t window, float *scores) {
+    const int64_t first = (window > 0 && end > window) ? end - window : 0;
+    const int64_t n = end - first, vecs = dim / 8;
+    kh += first * dim;
+    vh += first * dim;
+    __m256 qv[MAX_DIM / 8];
+    for (int64_t c = 0; c < vecs; c++)
+        qv[c] = _mm256_mul_ps(_mm256_loadu_ps(qh + c * 8), _mm256_set1_ps(scale));
+    __m256 best = _mm256_set1_ps(-INFINITY);
+    int64_t s = 0;
+    for (; s + 8 <= n; s += 8) {
+        __m256 acc[8];
+        for (int j = 0; j < 8; j++) {
+            const float *ks = kh + (s + j) * dim;
+            __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(ks));
+            for (int64_t c = 1; c < vecs; c++)
+                a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(ks + c * 8), a);
+            acc[j] = a;
+        }
+        const __m256 dots = sum8(acc);
+        _mm256_storeu_ps(scores + s, dots);
+        best = _mm256_max_ps(best, dots);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, best);
+    float top = -INFINITY;
+    for (int i = 0; i < 8; i++)
+        top = lanes[i] > top ? lanes[i] : top;
+    for (; s < n; s++) {
+        const float *ks = kh + s * dim;
+        __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(ks));
+        for (int64_t c = 1; c < vecs; c++)
+            a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(ks + c * 8), a);
+        __m256 one[8] = {a, a, a, a, a, a, a, a};
+        _mm256_storeu_ps(lanes, sum8(one));
+        scores[s] = lanes[0];
+        top = scores[s] > top ? scores[s] : top;
+    }
+    const __m256 topv = _mm256_set1_ps(top);
+    __m256 totv = _mm256_setzero_ps();
+    for (s = 0; s + 8 <= n; s += 8) {
+        const __m256 e = exp8_le0(_mm256_sub_ps(_mm256_loadu_ps(scores + s), topv));
+        _mm256_storeu_ps(scores + s, e);
+        totv = _mm256_add_ps(totv, e);
+    }
+    _mm256_storeu_ps(lanes, totv);
+    float total = 0.f;
+    for (int i = 0; i < 8; i++)
+        total += lanes[i];
+    for (; s < n; s++) {
+        scores[s] = expf(scores[s] - top);
+        total += scores[s];
+    }
+    /* Slots in pairs into accumulators of their own where the head is small: at least 8
+     * independent multiply-add chains. */
+    const int64_t ways = vecs >= 8 ? 1 : vecs >= 4 ? 2 : 4;
+    __m256 acc[4][MAX_DIM / 8];
+    for (int u = 0; u < 4; u++)
+        for (int64_t c = 0; c < vecs; c++)
+            acc[u][c] = _mm256_setzero_ps();
+    for (s = 0; s + ways <= n; s += ways)
+        for (int u = 0; u < ways; u++) {
+            const __m256 p = _mm256_set1_ps(scores[s + u]);
+            const float *vs = vh + (s + u) * dim;
+            for (int64_t c = 0; c < vecs; c++)
+                acc[u][c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vs + c * 8), acc[u][c]);
+        }
+    for (; s < n; s++) {
+        const __m256 p = _mm256_set1_ps(scores[s]);
+        for (int64_t c = 0; c < vecs; c++)
+            acc[0][c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vh + s * dim + c * 8), acc[0][c]);
+    }
+    const __m256 inv = _mm256_set1_ps(n > 0 ? 1.f / total : 0.f);
+    for (int64_t c = 0; c < vecs; c++) {
+        __m256 a = acc[0][c];
+        for (int u = 1; u < ways; u++)
+            a = _mm256_add_ps(a, acc[u][c]);
+        _mm256_storeu_ps(o + c * 8, _mm256_mul_ps(a, inv));
+    }
+}
+#define HAVE_AVX2_F32 1
+#endif
 
 #ifdef HAVE_AVX512_BF16
 
@@ -179,35 +314,49 @@ attend_one_avx512(const uint16_t *qh, const uint16_t *kh, const uint16_t *vh, ui
 #endif
 
 /* One query (head) against slots [first, end) of one key/value head, first = end - window
- * when window > 0, else 0. kh, vh point at slot 0; slots are dim apart. */
-static void attend_one(const uint16_t *qh, const uint16_t *kh, const uint16_t *vh, uint16_t *o,
-                       int64_t end, int64_t dim, float scale, int64_t window, float *scores) {
+ * when window > 0, else 0. kh, vh point at slot 0; slots are dim apart. Buffers are
+ * bfloat16 where bf16 is set, else float32. */
+static void attend_one(const void *qh, const void *kh, const void *vh, void *o, int64_t end,
+                       int64_t dim, float scale, int64_t window, float *scores, int bf16) {
+    if (bf16) {
 #ifdef HAVE_AVX512_BF16
-    /* The common head sizes as constants, so the accumulators live in registers. */
-    if (dim == 64)
-        attend_one_avx512(qh, kh, vh, o, end, 64, scale, window, scores);
-    else if (dim == 128)
-        attend_one_avx512(qh, kh, vh, o, end, 128, scale, window, scores);
-    else if (dim % 32 == 0)
-        attend_one_avx512(qh, kh, vh, o, end, dim, scale, window, scores);
-    else
-        attend_one_generic(qh, kh, vh, o, end, dim, scale, window, scores);
-#else
-    attend_one_generic(qh, kh, vh, o, end, dim, scale, window, scores);
+        /* The common head sizes as constants, so the accumulators live in registers. */
+        if (dim == 64)
+            attend_one_avx512(qh, kh, vh, o, end, 64, scale, window, scores);
+        else if (dim == 128)
+            attend_one_avx512(qh, kh, vh, o, end, 128, scale, window, scores);
+        else if (dim % 32 == 0)
+            attend_one_avx512(qh, kh, vh, o, end, dim, scale, window, scores);
+        else
 #endif
+            attend_one_generic(qh, kh, vh, o, end, dim, scale, window, scores, 1);
+        return;
+    }
+#ifdef HAVE_AVX2_F32
+    if (dim == 64)
+        attend_one_f32_avx2(qh, kh, vh, o, end, 64, scale, window, scores);
+    else if (dim == 128)
+        attend_one_f32_avx2(qh, kh, vh, o, end, 128, scale, window, scores);
+    else if (dim % 8 == 0)
+        attend_one_f32_avx2(qh, kh, vh, o, end, dim, scale, window, scores);
+    else
+#endif
+        attend_one_generic(qh, kh, vh, o, end, dim, scale, window, scores, 0);
 }
 
 /* Pair `pair` = (row r, head h): its query against its row's keys and values, below
- * lengths[r], or below start + r + 1 for a prompt (lengths NULL). */
-static inline void attend_pair(const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                               uint16_t *out, const int64_t *lengths, int64_t start,
-                               int64_t pair, int64_t heads, int64_t group, int64_t dim,
-                               int64_t row_stride, int64_t head_stride, float scale,
-                               int64_t window, float *scores) {
+ * lengths[r], or below start + r + 1 for a prompt (lengths NULL). Offsets are in
+ * elements of `size` bytes. */
+static inline void attend_pair(const char *q, const char *k, const char *v, char *out,
+                               const int64_t *lengths, int64_t start, int64_t pair,
+                               int64_t heads, int64_t group, int64_t dim, int64_t row_stride,
+                               int64_t head_stride, float scale, int64_t window,
+                               float *scores, int bf16) {
+    const int64_t size = bf16 ? 2 : 4;
     const int64_t r = pair / heads, h = pair % heads;
-    const int64_t at = r * row_stride + (h / group) * head_stride;
-    attend_one(q + pair * dim, k + at, v + at, out + pair * dim,
-               lengths ? lengths[r] : start + r + 1, dim, scale, window, scores);
+    const int64_t at = (r * row_stride + (h / group) * head_stride) * size;
+    attend_one(q + pair * dim * size, k + at, v + at, out + pair * dim * size,
+               lengths ? lengths[r] : start + r + 1, dim, scale, window, scores, bf16);
 }
 
 /* Each (row, head) pair of q attends through attend_one, split over torch's OpenMP team
@@ -218,10 +367,11 @@ static inline void attend_pair(const uint16_t *q, const uint16_t *k, const uint1
  * group have similar lengths and take static shares; a prompt's later queries read more
  * slots, so its pairs are dealt out in small chunks. Returns 0, or -1 for a shape it does
  * not take, -2 when memory ran out. */
-static int attend_pairs(const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                        uint16_t *out, const int64_t *lengths, int64_t start, int64_t rows,
-                        int64_t heads, int64_t kv_heads, int64_t dim, int64_t row_stride,
-                        int64_t head_stride, float scale, int64_t window, int64_t max_len) {
+static int attend_pairs(const void *q, const void *k, const void *v, void *out,
+                        const int64_t *lengths, int64_t start, int64_t rows, int64_t heads,
+                        int64_t kv_heads, int64_t dim, int64_t row_stride,
+                        int64_t head_stride, float scale, int64_t window, int64_t max_len,
+                        int bf16) {
     if (dim > MAX_DIM || kv_heads <= 0 || heads % kv_heads)
         return -1;
     const int64_t pairs = rows * heads, group = heads / kv_heads;
@@ -238,13 +388,13 @@ static int attend_pairs(const uint16_t *q, const uint16_t *k, const uint16_t *v,
             for (int64_t pair = 0; pair < pairs; pair++)
                 if (scores)
                     attend_pair(q, k, v, out, lengths, start, pair, heads, group, dim,
-                                row_stride, head_stride, scale, window, scores);
+                                row_stride, head_stride, scale, window, scores, bf16);
         } else {
 #pragma omp for schedule(dynamic, 8)
             for (int64_t pair = 0; pair < pairs; pair++)
                 if (scores)
                     attend_pair(q, k, v, out, lengths, start, pair, heads, group, dim,
-                                row_stride, head_stride, scale, window, scores);
+                                row_stride, head_stride, scale, window, scores, bf16);
         }
         free(scores);
     }
@@ -259,7 +409,16 @@ int decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
                           int64_t row_stride, int64_t head_stride, float scale,
                           int64_t window, int64_t max_len) {
     return attend_pairs(q, k, v, out, lengths, 0, rows, heads, kv_heads, dim, row_stride,
-                        head_stride, scale, window, max_len);
+                        head_stride, scale, window, max_len, 1);
+}
+
+/* The same over float32 query, KV and output (a model that computes in float32). */
+int decode_attention_f32(const float *q, const float *k, const float *v, float *out,
+                         const int64_t *lengths, int64_t rows, int64_t heads,
+                         int64_t kv_heads, int64_t dim, int64_t row_stride,
+                         int64_t head_stride, float scale, int64_t window, int64_t max_len) {
+    return attend_pairs(q, k, v, out, lengths, 0, rows, heads, kv_heads, dim, row_stride,
+                        head_stride, scale, window, max_len, 0);
 }
 
 /* Prompt attention over one row: query i (of `tokens`, at slot start + i) attends to slots
@@ -270,5 +429,5 @@ int prompt_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
                           int64_t kv_heads, int64_t dim, int64_t head_stride, float scale,
                           int64_t window) {
     return attend_pairs(q, k, v, out, NULL, start, tokens, heads, kv_heads, dim, 0,
-                        head_stride, scale, window, start + tokens);
+                        head_stride, scale, window, start + tokens, 1);
 }
