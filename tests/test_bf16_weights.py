@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(bf16_weights.library() is None,
                                 reason="no C compiler or no AVX2 and FMA on this CPU")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17, 24, 25, 64, 129])
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 9, 16, 17, 24, 25, 64, 129])
 @pytest.mark.parametrize("k,n,bias,large", [(576, 960, False, False), (100, 13, True, False),
                                             (7, 5, True, False), (576, 960, False, True)])
 @pytest.mark.parametrize("copy", [False, True])

@@ -29,7 +29,7 @@ from worker_service.kernels import native_build
 
 SOURCE = Path(__file__).with_name("bf16_weights.c")
 _P, _I = native_build.P, native_build.I64
-FUNCTIONS = {"linear_bf16w": ([_P, _P, _P, _P, _I, _I, _I, _I], None),
+FUNCTIONS = {"linear_bf16w": ([_P, _P, _P, _P, _I, _I, _I, _I], ctypes.c_int),
              "bf16w_vectorized": ([], ctypes.c_int)}
 # Rows up to which the C loop beats torch's float32 product, over a float32 copy of the
 # weight (kept where memory allows) or over the weight widened per call: 24, and 128 for
@@ -84,10 +84,14 @@ class Bf16WeightLinear(nn.Module):
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
         out = torch.empty(rows, self.out_features, dtype=torch.float32)
-        library().linear_bf16w(flat.data_ptr(), self.weight.data_ptr(),
-                               None if self.bias is None else self.bias.data_ptr(),
-                               out.data_ptr(), rows, self.out_features, self.in_features,
-                               flat.stride(0))
+        status = library().linear_bf16w(
+            flat.data_ptr(), self.weight.data_ptr(),
+            None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), rows,
+            self.out_features, self.in_features, flat.stride(0))
+        if status != 0:
+            raise MemoryError(f"bfloat16-weight product of {rows} rows x {self.in_features} "
+                              f"-> {self.out_features}: out of memory for its buffer "
+                              f"(status {status})")
         return out.view(*x.shape[:-1], self.out_features)
 
 
