@@ -66,3 +66,33 @@ def test_install_keeps_bfloat16_weights_once_and_computes_in_float32(copy):
     assert got.dtype == torch.float32
     assert (got - expected).abs().max() < 1e-4
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 24, 40])
+def test_stacked_qkv_over_bfloat16_weights(rows):
+    """q, k and v stacked into one bfloat16-weight product (fused_projections) give the
+    separate products' results: the same bits through the C loop, whose sum for an output
+    column does not depend on the other weight rows, and float32 rounding past it."""
+    from transformers import Qwen2Config
+    from transformers.models.qwen2 import modeling_qwen2
+
+    from worker_service.kernels import fused_projections
+
+    config = Qwen2Config(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=1, vocab_size=32)
+    attn = modeling_qwen2.Qwen2Attention(config, 0).to(torch.bfloat16)
+    torch.manual_seed(rows)
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    for p in projections:
+        torch.nn.init.normal_(p.bias)  # Qwen2 has q/k/v biases
+    x = torch.randn(1, rows, 64)
+    with torch.inference_mode():
+        expected = [bf16_weights.Bf16WeightLinear(p, True)(x) for p in projections]
+        assert fused_projections.fuse_qkv(
+            attn, lambda linear: bf16_weights.Bf16WeightLinear(linear, True)) == 1
+        got = [p(x) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    for g, e in zip(got, expected):
+        if rows <= bf16_weights.SMALL_ROWS:
+            assert torch.equal(g, e)
+        else:
+            assert (g - e).abs().max() < 1e-4

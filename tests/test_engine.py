@@ -124,9 +124,11 @@ def test_bfloat16_without_a_onednn_path_computes_in_float32(monkeypatch, caplog)
 
     if bf16_weights.library() is not None:
         runner = load()
-        assert ("float32, with the weights of 16 linear layers and embeddings kept in "
-                "bfloat16 (kernels/bf16_weights.py), and the linear ones also in float32"
-                in caplog.text)
+        assert ("float32, with the weights of its linear layers and embeddings kept in "
+                "bfloat16 (kernels/bf16_weights.py: 12 modules; q, k and v stacked into one "
+                "product in 2 layers), and the linear ones also in float32" in caplog.text)
+        attn = runner.model.model.layers[0].self_attn
+        assert isinstance(attn.k_proj.product.linear, bf16_weights.Bf16WeightLinear)
         assert runner.lm_head.weight.dtype == torch.bfloat16
         assert (runner.dtype, runner.kv_dtype, runner.facts.dtype) == (
             torch.float32, torch.float32, "float32")

@@ -32,44 +32,49 @@ def eager_rotary():
     return fn, fn.seqserve_original
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n", [64, 768, 100])
 @pytest.mark.parametrize("rows", [1, 37, 300])
-def test_norm_matches_eager_llama_rmsnorm(n, rows):
+def test_norm_matches_eager_llama_rmsnorm(n, rows, dtype):
     """Widths with and without a tail past the 16-lane blocks, one row (decoding) to many
-    (over the threshold where it splits rows over threads)."""
+    (over the threshold where it splits rows over threads); bfloat16 and float32."""
     assert fused_layers.library() is not None, "the test machine has a C compiler"
     g = torch.Generator().manual_seed(n + rows)
-    norm = modeling_llama.LlamaRMSNorm(n, eps=1e-5).to(torch.bfloat16)
-    norm.weight.data = (torch.randn(n, generator=g) * 0.5 + 1).bfloat16()
-    x = (torch.randn(rows, n, generator=g) * 3).bfloat16()
+    norm = modeling_llama.LlamaRMSNorm(n, eps=1e-5).to(dtype)
+    norm.weight.data = (torch.randn(n, generator=g) * 0.5 + 1).to(dtype)
+    x = (torch.randn(rows, n, generator=g) * 3).to(dtype)
     with torch.inference_mode():
         want = norm(x)
         assert fused_layers.install(torch.nn.Sequential(norm))[0] == 1
         got = norm(x)
-    assert got.dtype == torch.bfloat16 and got.shape == want.shape
-    # Only the float32 sum of squares runs in another order: a last-bit difference at most.
-    differ = got != want
-    assert differ.float().mean() < 1e-3
-    assert ((got.float() - want.float()).abs() <= want.float().abs() / 128 + 1e-30).all()
+    assert got.dtype == dtype and got.shape == want.shape
+    # Only the float32 sum of squares runs in another order: in bfloat16 a last-bit
+    # difference at most, in float32 a few of its last bits.
+    if dtype == torch.bfloat16:
+        assert (got != want).float().mean() < 1e-3
+    bound = 1 / 128 if dtype == torch.bfloat16 else 1e-6
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * bound + 1e-30).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("dim", [64, 40])
 @pytest.mark.parametrize("tokens", [1, 19, 600])
-def test_rotary_gives_the_eager_bits(eager_rotary, dim, tokens):
+def test_rotary_gives_the_eager_bits(eager_rotary, dim, tokens, dtype):
     """Bit-identical to transformers' apply_rotary_pos_emb, for head sizes with and without
-    a tail past the 16-lane blocks, on the transposed views the attention passes in."""
+    a tail past the 16-lane blocks, on the transposed views the attention passes in;
+    bfloat16 and float32."""
     fused, eager = eager_rotary
     g = torch.Generator().manual_seed(dim + tokens)
-    q = torch.randn(1, tokens, 6, dim, generator=g).bfloat16().transpose(1, 2)
-    k = torch.randn(1, tokens, 2, dim, generator=g).bfloat16().transpose(1, 2)
-    cos = torch.randn(1, tokens, dim, generator=g).bfloat16()
-    sin = torch.randn(1, tokens, dim, generator=g).bfloat16()
+    q = torch.randn(1, tokens, 6, dim, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(1, tokens, 2, dim, generator=g).to(dtype).transpose(1, 2)
+    cos = torch.randn(1, tokens, dim, generator=g).to(dtype)
+    sin = torch.randn(1, tokens, dim, generator=g).to(dtype)
     with torch.inference_mode():
         got, want = fused(q, k, cos, sin), eager(q, k, cos, sin)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    # Other dtypes go to the original.
-    got = fused(q.float(), k.float(), cos.float(), sin.float())
-    want = eager(q.float(), k.float(), cos.float(), sin.float())
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        # Other dtypes go to the original.
+        got = fused(q.half(), k.half(), cos.half(), sin.half())
+        want = eager(q.half(), k.half(), cos.half(), sin.half())
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -123,8 +128,8 @@ def test_install_touches_only_llama_style_code_in_bfloat16_on_cpu():
     assert fused_layers.install(gpt2) == (0, 0)  # LayerNorm, learned positions
     assert fused_layers.install_mlp(gpt2) == 0  # GELU, no gate
     fp32 = ModelRunner(str(tiny_model("llama")), dtype="float32").model
-    assert fused_layers.install(fp32) == (0, 0)
-    assert fused_layers.install_mlp(fp32) == 0
+    assert fused_layers.install(fp32) == (2 * 2 + 1, 1)  # float32 norms and rotary too
+    assert fused_layers.install_mlp(fp32) == 0  # the SiLU product is bfloat16's
 
 
 @needs_onednn_bf16
@@ -171,7 +176,7 @@ def test_stacked_products_give_the_same_bits(monkeypatch, arch):
     assert isinstance(layer.mlp.up_proj, fused_projections.ProductSlice)
     with_stack = _decode(stacked, prompts, 6)
     for name in ("fuse_qkv", "fuse_gate_up"):
-        monkeypatch.setattr(fused_projections, name, lambda model, min_rows=1: 0)
+        monkeypatch.setattr(fused_projections, name, lambda model, make: 0)
     separate = ModelRunner(str(bf16_model(arch)), dtype="bfloat16")
     layer = separate.model.model.layers[0]
     assert not isinstance(layer.self_attn.k_proj, fused_projections.ProductSlice)
@@ -181,9 +186,10 @@ def test_stacked_products_give_the_same_bits(monkeypatch, arch):
 
 def test_qkv_stacking_leaves_other_code_and_dtypes_alone():
     fp32 = ModelRunner(str(tiny_model("llama")), dtype="float32").model
-    assert fused_projections.fuse_qkv(fp32) == fused_projections.fuse_gate_up(fp32) == 0
+    make = PrepackedLinear
+    assert fused_projections.fuse_qkv(fp32, make) == fused_projections.fuse_gate_up(fp32, make) == 0
     gpt2 = ModelRunner(str(bf16_model("gpt2")), dtype="bfloat16").model  # c_attn: its own
-    assert fused_projections.fuse_qkv(gpt2) == fused_projections.fuse_gate_up(gpt2) == 0
+    assert fused_projections.fuse_qkv(gpt2, make) == fused_projections.fuse_gate_up(gpt2, make) == 0
 
 
 @needs_onednn_bf16
@@ -198,6 +204,6 @@ def test_stacked_qkv_product_with_biases():
         torch.nn.init.normal_(p.bias)
     x = torch.randn(1, 7, 64, dtype=torch.bfloat16)
     expected = [PrepackedLinear(p)(x) for p in projections]
-    assert fused_projections.fuse_qkv(attn) == 1
+    assert fused_projections.fuse_qkv(attn, PrepackedLinear) == 1
     assert all(torch.equal(p(x), e) for p, e in
                zip((attn.q_proj, attn.k_proj, attn.v_proj), expected))

@@ -160,8 +160,13 @@ class ModelRunner:
         sharded = bool(shard)
         if prepack and linear_prepack.supported(self.model):
             min_rows = batch_invariance.MIN_ROWS if batch_invariant else 1
-            qkv = 0 if sharded else fused_projections.fuse_qkv(self.model, min_rows)
-            gate_up = 0 if sharded else fused_projections.fuse_gate_up(self.model, min_rows)
+
+            def prepacked(linear):
+                return linear_prepack.PrepackedLinear(linear, min_rows)
+            qkv = 0 if sharded else fused_projections.fuse_qkv(self.model, prepacked)
+            # gate and up stacked only for the C SiLU product, which reads both halves
+            gate_up = (0 if sharded or not fused_layers.mlp_product_builds() else
+                       fused_projections.fuse_gate_up(self.model, prepacked))
             n = (sharded_prepack.prepack_sharded_linears(self.model) if sharded else
                  linear_prepack.prepack_linears(self.model, min_rows) + 3 * qkv + 2 * gate_up)
             self.lm_head = self.model.get_output_embeddings()

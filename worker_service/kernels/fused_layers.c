@@ -1,4 +1,4 @@
-/* Fused elementwise layers of Llama-family models over bfloat16 on CPU.
+/* Fused elementwise layers of Llama-family models over bfloat16 (and float32) on CPU.
  *
  * Built and loaded at run time by fused_layers.py (plain C, no torch headers). Eager
  * PyTorch runs an RMSNorm as seven kernels and a rotary embedding as nine, each a pass
@@ -113,6 +113,52 @@ void rotary_bf16(const uint16_t *x, uint16_t *y, const uint16_t *cos, const uint
                     + bf16_to_float(float_to_bf16(a * bf16_to_float(s[i + half])));
                 yr[i] = float_to_bf16(lo);
                 yr[i + half] = float_to_bf16(hi);
+            }
+        }
+}
+
+/* The same two over float32 (a model computing in float32): y = w * (x * scale), and
+ * x * cos + rotate_half(x) * sin with each product and the sum rounded as eager float32
+ * rounds them. No fused multiply-add: it would round the sum once instead of three times
+ * (the attribute for GCC; clang contracts only within one expression). */
+void rms_norm_f32(const float *x, const float *w, float *y, int64_t rows, int64_t n,
+                  int64_t x_stride, int64_t y_stride, float eps) {
+#pragma omp parallel for schedule(static) if (rows * n >= MIN_PARALLEL)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        float *yr = y + r * y_stride;
+        float part[16] = {0.f};
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16)
+            for (int l = 0; l < 16; l++)
+                part[l] += xr[i + l] * xr[i + l];
+        float sum = 0.f;
+        for (; i < n; i++)
+            sum += xr[i] * xr[i];
+        for (int l = 0; l < 16; l++)
+            sum += part[l];
+        const float scale = 1.f / sqrtf(sum / (float)n + eps);
+        for (i = 0; i < n; i++)
+            yr[i] = w[i] * (xr[i] * scale);
+    }
+}
+
+__attribute__((optimize("fp-contract=off")))
+void rotary_f32(const float *x, float *y, const float *cos, const float *sin, int64_t heads,
+                int64_t tokens, int64_t dim, int64_t head_stride, int64_t token_stride) {
+    const int64_t half = dim / 2;
+#pragma omp parallel for collapse(2) schedule(static) if (heads * tokens * dim >= MIN_PARALLEL)
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t t = 0; t < tokens; t++) {
+            const float *xr = x + h * head_stride + t * token_stride;
+            float *yr = y + (h * tokens + t) * dim;
+            const float *c = cos + t * dim, *s = sin + t * dim;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = xr[i], b = xr[i + half]; /* rotate_half(x) is [-b, a] */
+                const float lo_c = a * c[i], lo_s = -b * s[i];
+                const float hi_c = b * c[i + half], hi_s = a * s[i + half];
+                yr[i] = lo_c + lo_s;
+                yr[i + half] = hi_c + hi_s;
             }
         }
 }

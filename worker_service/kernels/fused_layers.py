@@ -1,11 +1,13 @@
-"""One-pass RMSNorm and rotary embedding for Llama-family models in bfloat16 on CPU.
+"""One-pass RMSNorm and rotary embedding for Llama-family models in bfloat16 or float32 on
+CPU, and the SiLU gate product in bfloat16.
 
 Eager transformers runs an RMSNorm as seven torch kernels and a rotary embedding as nine,
 each a pass over memory with a dispatch in front; a decoding step of the benchmark model
 runs 17 norms and 8 rotary embeddings. `fused_layers.c` does each in one pass, rounding to
 bfloat16 where the eager code does: the rotary embedding gives the same bits, the norm the
 same up to the order of one float32 sum of squares (a last-bit difference in under 0.1% of
-the values).
+the values). In float32 (float32 models, and bfloat16 ones computing in float32 on CPUs
+without native bfloat16) the same holds with float32's roundings.
 
 Only code known to compute exactly this is replaced: a norm whose `forward` compiles to the
 same bytecode as `LlamaRMSNorm.forward` (Mistral's, Qwen2's and the other copies), and a
@@ -34,6 +36,8 @@ _P, _I, _F = native_build.P, native_build.I64, native_build.F32
 FUNCTIONS = {
     "rms_norm_bf16": ([_P, _P, _P, _I, _I, _I, _I, _F], None),
     "rotary_bf16": ([_P, _P, _P, _P, _I, _I, _I, _I, _I], None),
+    "rms_norm_f32": ([_P, _P, _P, _I, _I, _I, _I, _F], None),
+    "rotary_f32": ([_P, _P, _P, _P, _I, _I, _I, _I, _I], None),
     "silu_mul_bf16": ([_P, _P, _P, _P, _I], None),
     "silu_mul_rows_bf16": ([_P, _P, _P, _I, _I, _I], None),
 }
@@ -56,38 +60,49 @@ def same_code(fn, ref) -> bool:
             and consts(a) == consts(b))
 
 
-def _fast(*tensors: torch.Tensor) -> bool:
-    """bfloat16 CPU tensors, nothing for autograd to record, and the library loaded."""
+# The norm and rotary loops for each dtype.
+NORM = {torch.bfloat16: "rms_norm_bf16", torch.float32: "rms_norm_f32"}
+ROTARY = {torch.bfloat16: "rotary_bf16", torch.float32: "rotary_f32"}
+
+
+def _fast(*tensors: torch.Tensor, dtypes=(torch.bfloat16,)) -> bool:
+    """CPU tensors of one of `dtypes`, all the same, nothing for autograd to record, and
+    the library loaded."""
     return ((not torch.is_grad_enabled() or torch.is_inference_mode_enabled())
-            and all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
+            and tensors[0].dtype in dtypes
+            and all(t.dtype == tensors[0].dtype and t.device.type == "cpu" for t in tensors)
             and library() is not None)
 
 
 def _rms_norm(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     weight = self.weight
     n = weight.shape[0]
-    if not _fast(hidden, weight) or hidden.shape[-1] != n or not weight.is_contiguous():
+    if (not _fast(hidden, weight, dtypes=NORM) or hidden.shape[-1] != n
+            or not weight.is_contiguous()):
         return type(self).forward(self, hidden)
     x = hidden.reshape(-1, n)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = torch.empty(x.shape, dtype=torch.bfloat16)
-    library().rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], n,
-                            x.stride(0), n, float(self.variance_epsilon))
+    out = torch.empty(x.shape, dtype=x.dtype)
+    getattr(library(), NORM[x.dtype])(x.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                      x.shape[0], n, x.stride(0), n,
+                                      float(self.variance_epsilon))
     return out.view(hidden.shape)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     _, heads, tokens, dim = x.shape
-    y = torch.empty(1, heads, tokens, dim, dtype=torch.bfloat16)
-    library().rotary_bf16(x.data_ptr(), y.data_ptr(), cos.data_ptr(), sin.data_ptr(), heads,
-                          tokens, dim, x.stride(1), x.stride(2))
+    y = torch.empty(1, heads, tokens, dim, dtype=x.dtype)
+    getattr(library(), ROTARY[x.dtype])(x.data_ptr(), y.data_ptr(), cos.data_ptr(),
+                                        sin.data_ptr(), heads, tokens, dim, x.stride(1),
+                                        x.stride(2))
     return y
 
 
 def _fused_rotary(original):
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if (unsqueeze_dim == 1 and _fast(q, k, cos, sin) and q.dim() == 4 and k.dim() == 4
+        if (unsqueeze_dim == 1 and _fast(q, k, cos, sin, dtypes=ROTARY)
+                and q.dim() == 4 and k.dim() == 4
                 and cos.dim() == 3 and cos.shape == sin.shape and cos.shape[0] == 1
                 and q.shape[0] == 1 and k.shape[0] == 1
                 and q.shape[2] == k.shape[2] == cos.shape[1]
@@ -145,13 +160,17 @@ def _silu_mul(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(gate)
 
 
+def mlp_product_builds() -> bool:
+    """Whether install_mlp's C SiLU product can run here."""
+    return library() is not None and silu_table() is not None
+
+
 def install_mlp(model: nn.Module) -> int:
     """Route `model`'s Llama-style gated MLPs with a SiLU (`down(silu(gate(x)) * up(x))`,
     Qwen2's and Mistral's included) through the one-pass C product where it runs in
     bfloat16 on CPU; returns how many."""
     p = next(model.parameters())
-    if (p.device.type != "cpu" or p.dtype != torch.bfloat16 or library() is None
-            or silu_table() is None):
+    if p.device.type != "cpu" or p.dtype != torch.bfloat16 or not mlp_product_builds():
         return 0
     mlps = 0
     for module in model.modules():
@@ -169,10 +188,10 @@ def gated_silu_mlp(module: nn.Module) -> bool:
 
 def install(model: nn.Module) -> tuple[int, int]:
     """Route `model`'s Llama-style norms and rotary embeddings through the C loops where it
-    runs in bfloat16 on CPU; returns (norms patched, modeling modules whose rotary
-    embedding now runs the C loop)."""
+    runs in bfloat16 or float32 on CPU; returns (norms patched, modeling modules whose
+    rotary embedding now runs the C loop)."""
     p = next(model.parameters())
-    if p.device.type != "cpu" or p.dtype != torch.bfloat16 or library() is None:
+    if p.device.type != "cpu" or p.dtype not in NORM or library() is None:
         return 0, 0
     norms = 0
     for module in model.modules():

@@ -1,4 +1,5 @@
-"""One product for an attention layer's query, key and value projections (bfloat16, CPU).
+"""One product for an attention layer's query, key and value projections, and for an MLP's
+gate and up projections (bfloat16 weights, CPU).
 
 Eager attention multiplies the same hidden states by three weights; on CPU each product is
 a oneDNN call with its own dispatch and OpenMP region (about 25 us of overhead a call here,
@@ -8,6 +9,9 @@ reduces every output column in the same order whatever the weight's height, so t
 equal the three products (tests/test_fused_layers.py checks it on the fixtures' shapes;
 vLLM stacks them the same way, as QKVParallelLinear).
 
+Over bfloat16 weights computed in float32 (bf16_weights.py, CPUs without native bfloat16)
+q, k and v are stacked too: one stream of weight rows for a decoding step's few rows.
+
 The model's own attention code is kept: `q_proj`, `k_proj` and `v_proj` become slices of
 one shared product, computed when the first of them is called with a hidden-states
 tensor and handed out to the other two for that same tensor. Only attention classes whose
@@ -16,6 +20,7 @@ forward is known to call the three on one input are changed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +31,10 @@ from transformers.models.qwen2 import modeling_qwen2
 
 from worker_service.kernels import fused_layers
 from worker_service.kernels.fused_layers import same_code
-from worker_service.kernels.linear_prepack import PrepackedLinear
+
+# Makes the stacked product's module from the stacked nn.Linear (PrepackedLinear,
+# Bf16WeightLinear).
+Make = Callable[[nn.Linear], nn.Module]
 
 # Attention forwards that call q_proj, k_proj and v_proj once each on the same tensor.
 KNOWN_FORWARDS = (modeling_llama.LlamaAttention.forward,
@@ -48,7 +56,7 @@ class _Memo:
 class SharedProduct(nn.Module):
     """The stacked product, computed once per input tensor for the slices that share it."""
 
-    def __init__(self, linear: PrepackedLinear, parts: int):
+    def __init__(self, linear: nn.Module, parts: int):
         super().__init__()
         self.linear = linear
         self._parts = parts
@@ -81,10 +89,10 @@ class ProductSlice(nn.Module):
         return self._take(x, self.lo, self.hi)
 
 
-def _stack(module: nn.Module, names: tuple[str, ...], min_rows: int) -> bool:
-    """Replace `module`'s linears `names` by slices of one stacked prepacked product, if
-    they are plain bfloat16 CPU linears over the same input width, all with or all
-    without a bias."""
+def _stack(module: nn.Module, names: tuple[str, ...], make: Make) -> bool:
+    """Replace `module`'s linears `names` by slices of one stacked product, `make` of the
+    stacked nn.Linear, if they are plain bfloat16 CPU linears over the same input width,
+    all with or all without a bias."""
     linears = [getattr(module, n, None) for n in names]
     if any(type(p) is not nn.Linear for p in linears):
         return False
@@ -99,7 +107,7 @@ def _stack(module: nn.Module, names: tuple[str, ...], min_rows: int) -> bool:
         stacked.weight.copy_(torch.cat([p.weight.detach() for p in linears]))
         if stacked.bias is not None:
             stacked.bias.copy_(torch.cat([p.bias.detach() for p in linears]))
-    product = SharedProduct(PrepackedLinear(stacked, min_rows), len(linears))
+    product = SharedProduct(make(stacked), len(linears))
     lo = 0
     for name, p in zip(names, linears):
         setattr(module, name, ProductSlice(product, lo, lo + p.out_features))
@@ -107,19 +115,17 @@ def _stack(module: nn.Module, names: tuple[str, ...], min_rows: int) -> bool:
     return True
 
 
-def fuse_qkv(model: nn.Module, min_rows: int = 1) -> int:
-    """Stack the q/k/v weights of `model`'s known attention layers into one prepacked
-    product each (bfloat16 on CPU, before the other linears are prepacked); returns how
-    many layers."""
-    return sum(_stack(m, QKV, min_rows) for m in model.modules()
+def fuse_qkv(model: nn.Module, make: Make) -> int:
+    """Stack the q/k/v weights of `model`'s known attention layers into one product each
+    (bfloat16 on CPU, before the other linears are replaced); returns how many layers."""
+    return sum(_stack(m, QKV, make) for m in model.modules()
                if any(same_code(type(m).forward, ref) for ref in KNOWN_FORWARDS))
 
 
-def fuse_gate_up(model: nn.Module, min_rows: int = 1) -> int:
-    """Stack the gate and up weights of the MLPs that fused_layers.install_mlp routes
-    through the C SiLU product, which then reads both halves of the one product; returns
-    how many. Call it before install_mlp and before the other linears are prepacked."""
-    if fused_layers.silu_table() is None or fused_layers.library() is None:
-        return 0
-    return sum(_stack(m, GATE_UP, min_rows) for m in model.modules()
+def fuse_gate_up(model: nn.Module, make: Make) -> int:
+    """Stack the gate and up weights of `model`'s Llama-style gated SiLU MLPs into one
+    product each (their forward calls both on one tensor; fused_layers.install_mlp's C
+    product reads both halves of it); returns how many. Call it before install_mlp and
+    before the other linears are replaced."""
+    return sum(_stack(m, GATE_UP, make) for m in model.modules()
                if fused_layers.gated_silu_mlp(m))
