@@ -133,6 +133,9 @@ def _peers() -> argparse.ArgumentParser:
                         "(vLLM's default: reserves a core), or a VLLM_CPU_OMP_THREADS_BIND list")
     g.add_argument("--vllm-enforce-eager", action="store_true",
                    help="vLLM without torch.compile")
+    g.add_argument("--vllm-dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="vLLM's dtype (default: the model's, as seqserve's). On a CPU "
+                        "without native bfloat16, vLLM in float32 is the fair peer")
     g.add_argument("--vllm-preload", action="store_true",
                    help="LD_PRELOAD libiomp5 (from the peer venv) and libtcmalloc (where "
                         "installed) for vLLM, as its CPU guide advises")

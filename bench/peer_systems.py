@@ -252,15 +252,16 @@ def vllm_env(kv_space_gib: int, threads_bind: str, preload: bool = False) -> dic
 def run_vllm(model_dir: Path, runs: Sequence[dict], *, mode: str, workdir: Path,
              max_num_seqs: int = 64, kv_space_gib: int = 4, threads_bind: str = "all",
              enforce_eager: bool = False, preload: bool = False, python: Path = VLLM_PYTHON,
-             timeout_s: float = 7200) -> dict:
+             dtype: str | None = None, timeout_s: float = 7200) -> dict:
     """Run bench/peers/vllm_peer.py on `runs` ([{"name", "requests": [BenchRequest],
-    "arrivals": [s] | None, "max_concurrency"}]); returns its JSON, or {"skipped": why}."""
+    "arrivals": [s] | None, "max_concurrency"}]) in `dtype` (None: the model's); returns
+    its JSON, or {"skipped": why}."""
     why = vllm_available(python)
     if why:
         logger.warning("%s", why)
         return {"skipped": why}
     workdir.mkdir(parents=True, exist_ok=True)
-    spec = {"model": str(Path(model_dir).resolve()), "dtype": model_dtype(model_dir),
+    spec = {"model": str(Path(model_dir).resolve()), "dtype": dtype or model_dtype(model_dir),
             "mode": mode, "max_num_seqs": max_num_seqs, "max_model_len": model_context(model_dir),
             "seed": 0, "enforce_eager": enforce_eager,
             "runs": [{"name": run["name"], "max_concurrency": run.get("max_concurrency"),

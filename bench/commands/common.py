@@ -137,7 +137,7 @@ def selected_peers(args) -> list[str]:
 def vllm_kwargs(args) -> dict:
     return {"max_num_seqs": args.max_rolling_batch_size, "kv_space_gib": args.vllm_kv_gib,
             "threads_bind": args.vllm_threads_bind, "enforce_eager": args.vllm_enforce_eager,
-            "preload": args.vllm_preload}
+            "preload": args.vllm_preload, "dtype": args.vllm_dtype}
 
 
 def without_per_request(summary: dict) -> dict:
