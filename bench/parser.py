@@ -134,8 +134,9 @@ def _peers() -> argparse.ArgumentParser:
     g.add_argument("--vllm-enforce-eager", action="store_true",
                    help="vLLM without torch.compile")
     g.add_argument("--vllm-dtype", choices=("bfloat16", "float16", "float32"), default=None,
-                   help="vLLM's dtype (default: the model's, as seqserve's). On a CPU "
-                        "without native bfloat16, vLLM in float32 is the fair peer")
+                   help="vLLM's dtype (default: the model's, or float32 where this CPU "
+                        "has no native path for the model's half precision, as vLLM's "
+                        "user would pick there)")
     g.add_argument("--vllm-preload", action="store_true",
                    help="LD_PRELOAD libiomp5 (from the peer venv) and libtcmalloc (where "
                         "installed) for vLLM, as its CPU guide advises")

@@ -272,3 +272,23 @@ def test_serve_prefix_and_peers_end_to_end(tmp_path):
     assert 0 < peers["ceiling"]["fraction_of_ceiling"]
     assert peers["floor"]["output_tokens"] == want
     assert set(peers["floor"]["fraction"]) == {"seqserve", "hf", "hf-cb"}
+
+
+def test_vllm_peer_runs_float32_where_the_cpu_has_no_native_half_precision(tmp_path,
+                                                                          monkeypatch):
+    """vLLM runs at the dtype its user would pick: the model's, or float32 where oneDNN has
+    no path for the model's half precision (there vLLM's bfloat16 ran 4-5x slower);
+    --vllm-dtype wins."""
+    import torch
+
+    from bench.peer_systems import vllm_dtype
+    from worker_service.kernels import linear_prepack
+
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    monkeypatch.setattr(linear_prepack, "runs", lambda dtype: True)
+    assert vllm_dtype(tmp_path) == "bfloat16"
+    monkeypatch.setattr(linear_prepack, "runs", lambda dtype: dtype == torch.float32)
+    assert vllm_dtype(tmp_path) == "float32"
+    assert vllm_dtype(tmp_path, "bfloat16") == "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
+    assert vllm_dtype(tmp_path) == "float32"
