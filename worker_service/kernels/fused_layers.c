@@ -39,6 +39,29 @@ static inline void store16_exact(uint16_t *p, __m512 v) {
 }
 #endif
 
+/* rsqrt(mean(x^2) + eps) of one row of n, bfloat16 (uint16) where bf16 is set, else
+ * float32: 16 partial sums the compiler vectorizes. */
+static inline __attribute__((always_inline)) float rms_scale(const void *row, int64_t n,
+                                                             float eps, int bf16) {
+    float part[16] = {0.f};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; l++) {
+            const float v = bf16 ? bf16_to_float(((const uint16_t *)row)[i + l])
+                                 : ((const float *)row)[i + l];
+            part[l] += v * v;
+        }
+    float sum = 0.f;
+    for (; i < n; i++) {
+        const float v = bf16 ? bf16_to_float(((const uint16_t *)row)[i])
+                             : ((const float *)row)[i];
+        sum += v * v;
+    }
+    for (int l = 0; l < 16; l++)
+        sum += part[l];
+    return 1.f / sqrtf(sum / (float)n + eps);
+}
+
 /* y = w * bf16(x * rsqrt(mean(x^2) + eps)) per row of n, as LlamaRMSNorm in bfloat16:
  * x, y rows x_stride / y_stride elements apart; w [n]. */
 void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows,
@@ -47,22 +70,8 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t ro
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *xr = x + r * x_stride;
         uint16_t *yr = y + r * y_stride;
-        float part[16] = {0.f};
+        const float scale = rms_scale(xr, n, eps, 1);
         int64_t i = 0;
-        for (; i + 16 <= n; i += 16)
-            for (int l = 0; l < 16; l++) {
-                const float v = bf16_to_float(xr[i + l]);
-                part[l] += v * v;
-            }
-        float sum = 0.f;
-        for (; i < n; i++) {
-            const float v = bf16_to_float(xr[i]);
-            sum += v * v;
-        }
-        for (int l = 0; l < 16; l++)
-            sum += part[l];
-        const float scale = 1.f / sqrtf(sum / (float)n + eps);
-        i = 0;
 #ifdef HAVE_AVX512_BF16
         const __m512 sv = _mm512_set1_ps(scale);
         for (; i + 16 <= n; i += 16)
@@ -127,18 +136,8 @@ void rms_norm_f32(const float *x, const float *w, float *y, int64_t rows, int64_
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * x_stride;
         float *yr = y + r * y_stride;
-        float part[16] = {0.f};
-        int64_t i = 0;
-        for (; i + 16 <= n; i += 16)
-            for (int l = 0; l < 16; l++)
-                part[l] += xr[i + l] * xr[i + l];
-        float sum = 0.f;
-        for (; i < n; i++)
-            sum += xr[i] * xr[i];
-        for (int l = 0; l < 16; l++)
-            sum += part[l];
-        const float scale = 1.f / sqrtf(sum / (float)n + eps);
-        for (i = 0; i < n; i++)
+        const float scale = rms_scale(xr, n, eps, 0);
+        for (int64_t i = 0; i < n; i++)
             yr[i] = w[i] * (xr[i] * scale);
     }
 }
