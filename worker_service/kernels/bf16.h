@@ -1,4 +1,5 @@
-/* bfloat16 <-> float32 for the worker's C files (bfloat16 held as uint16_t). */
+/* bfloat16 <-> float32 for the worker's C files (bfloat16 held as uint16_t), and the
+ * vector helpers they share. */
 #ifndef SEQSERVE_BF16_H
 #define SEQSERVE_BF16_H
 
@@ -20,6 +21,41 @@ static inline uint16_t float_to_bf16(float f) {
     bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even, as torch does */
     return (uint16_t)(bits >> 16);
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* The sum of v's 8 lanes. */
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* exp(x) for x <= 0, 8 lanes, as exp_le0 below: x = n ln2 + r, degree-6 Taylor
+ * polynomial of exp(r), times 2^n built in the exponent bits; below -87 gives 0. */
+static inline __m256 exp8_le0(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    /* n >= -126 after the clamp: 2^n is a normal float */
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>

@@ -31,13 +31,6 @@ static inline __m256 widen8(const uint16_t *p) {
         _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* Few rows: each weight row once from memory, widened in registers, against up to
  * PASS_ROWS input rows per pass (later passes find it in L1). */
 static void few_rows(const float *x, const uint16_t *w, const float *bias, float *y,

@@ -94,29 +94,6 @@ static inline __m256 sum8(const __m256 a[8]) {
                          _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* exp(x) for x <= 0, 8 lanes, as bf16.h's exp_le0: x = n ln2 + r, degree-6 Taylor
- * polynomial of exp(r), times 2^n built in the exponent bits; below -87 gives 0. */
-static inline __m256 exp8_le0(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-    __m256 p = _mm256_set1_ps(1.f / 720.f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    /* n >= -126 after the clamp: 2^n is a normal float */
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-
 /* As attend_one_generic over float32 KV, for dim a multiple of 8: 8 slots' dot products
  * at a time, reduced together by sum8. */
 static inline __attribute__((always_inline)) void
@@ -154,9 +131,7 @@ attend_one_f32_avx2(const float *qh, const float *kh, const float *vh, float *o,
         __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(ks));
         for (int64_t c = 1; c < vecs; c++)
             a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(ks + c * 8), a);
-        __m256 one[8] = {a, a, a, a, a, a, a, a};
-        _mm256_storeu_ps(lanes, sum8(one));
-        scores[s] = lanes[0];
+        scores[s] = hsum8(a);
         top = scores[s] > top ? scores[s] : top;
     }
     const __m256 topv = _mm256_set1_ps(top);
@@ -174,8 +149,8 @@ attend_one_f32_avx2(const float *qh, const float *kh, const float *vh, float *o,
         scores[s] = expf(scores[s] - top);
         total += scores[s];
     }
-    /* Slots in pairs into accumulators of their own where the head is small: at least 8
-     * independent multiply-add chains. */
+    /* Where the head is small, 2 or 4 slots at a time into accumulators of their own: at
+     * least 8 independent multiply-add chains. */
     const int64_t ways = vecs >= 8 ? 1 : vecs >= 4 ? 2 : 4;
     __m256 acc[4][MAX_DIM / 8];
     for (int u = 0; u < 4; u++)
