@@ -89,12 +89,18 @@ def test_replies_equal_the_single_process_deployment_and_greedy_equals_generate(
     requests = _requests(_stop_string(single))
     expected = asyncio.run(_all(single.address, requests))
     got = asyncio.run(_all(split.address, requests))
+    def unscored(beams):
+        return [replace(s, score=0.0) for s in beams]
+
     for (prompt, params), a, b in zip(requests, expected, got):
-        # Prefix-cache hits and the last float bits of a logprob depend on which requests
-        # ran together.
-        assert replace(b, cached_tokens=0, logprobs=[]) == replace(a, cached_tokens=0,
-                                                                    logprobs=[]), params
+        # Prefix-cache hits and the last float bits of a logprob, and so of a beam's
+        # score, depend on which requests ran together.
+        assert (replace(b, cached_tokens=0, logprobs=[], sequences=unscored(b.sequences))
+                == replace(a, cached_tokens=0, logprobs=[], sequences=unscored(a.sequences))
+                ), params
         assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4), params
+        assert ([s.score for s in b.sequences]
+                == pytest.approx([s.score for s in a.sequences], abs=1e-4)), params
     for (prompt, params), reply in zip(requests[:len(PROMPTS)], got):
         assert reply.token_ids == reference.greedy(MODEL, prompt, params["max_new_tokens"])
     assert got[len(PROMPTS)].finish_reason == "stop"
