@@ -1,0 +1,86 @@
+"""native_build's cache of compiled libraries: a second build of the same code loads the
+kept library without compiling; a changed source or included header, or a kept file that
+does not load, compiles again; SEQSERVE_KERNEL_CACHE=0 compiles every time."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+from pathlib import Path
+
+import pytest
+
+from worker_service.kernels import native_build
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+
+FUNCTIONS = {"answer": ([], ctypes.c_int)}
+
+
+@pytest.fixture
+def setup(tmp_path, monkeypatch):
+    """A source with a local header, a cache directory, and a compiler that logs each
+    compile it is asked for (not `--version`)."""
+    (tmp_path / "value.h").write_text("#define VALUE 41\n")
+    source = tmp_path / "answer.c"
+    source.write_text('#include "value.h"\nint answer(void) { return VALUE + 1; }\n')
+    log = tmp_path / "compiles.log"
+    cc = tmp_path / "cc"
+    cc.write_text(f'#!/bin/sh\n[ "$1" = --version ] || echo "$@" >> {log}\n'
+                  f'exec {shutil.which("cc")} "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("SEQSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
+
+    def build() -> int:
+        lib = native_build.build(source, "SEQSERVE_TEST_ANSWER", "no answer", FUNCTIONS)
+        assert lib is not None
+        return lib.answer()
+
+    def compiles() -> int:
+        return len(log.read_text().splitlines()) if log.exists() else 0
+
+    return tmp_path, build, compiles
+
+
+def test_a_second_build_loads_the_kept_library(setup):
+    tmp_path, build, compiles = setup
+    assert build() == 42 and compiles() == 1
+    assert build() == 42 and compiles() == 1
+    assert len(list((tmp_path / "cache").glob("answer-*.so"))) == 1
+
+
+def test_a_changed_source_or_header_compiles_again(setup):
+    tmp_path, build, compiles = setup
+    assert build() == 42
+    (tmp_path / "value.h").write_text("#define VALUE 1\n")
+    assert build() == 2 and compiles() == 2
+    (tmp_path / "answer.c").write_text('#include "value.h"\nint answer(void) { return 7; }\n')
+    assert build() == 7 and compiles() == 3
+
+
+def test_a_kept_file_that_does_not_load_is_rebuilt(setup):
+    tmp_path, build, compiles = setup
+    build()
+    (kept,) = (tmp_path / "cache").glob("answer-*.so")
+    kept.write_bytes(b"not a shared library")
+    assert build() == 42 and compiles() == 2
+    assert kept.read_bytes()[:4] == b"\x7fELF"
+
+
+def test_the_cache_can_be_turned_off(setup, monkeypatch):
+    tmp_path, build, compiles = setup
+    monkeypatch.setenv("SEQSERVE_KERNEL_CACHE", "0")
+    build()
+    build()
+    assert compiles() == 2 and not (tmp_path / "cache").exists()
+
+
+def test_the_key_names_the_cpu_and_the_flags(setup, monkeypatch):
+    tmp_path, _, _ = setup
+    source = tmp_path / "answer.c"
+    plain = native_build._key(source, "cc", native_build.CFLAGS)
+    assert native_build._key(source, "cc", (*native_build.CFLAGS, "-fopenmp")) != plain
+    assert native_build._cpu_identity()  # /proc/cpuinfo's model name and flags
+    monkeypatch.setattr(native_build, "_cpu_identity", lambda: "another CPU")
+    assert native_build._key(source, "cc", native_build.CFLAGS) != plain
