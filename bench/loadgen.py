@@ -147,7 +147,7 @@ class SeqserveTarget:
 
     def __enter__(self) -> SeqserveTarget:
         if self.deployment:
-            self.deployment.start(overlap_loading=True)
+            self.deployment.start()
             self.worker_metrics_url = self.deployment.worker_metrics_url
         try:
             if self.warm:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -44,15 +45,21 @@ def health_status(address: str, timeout: float = 2.0) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 
-def wait_serving(address: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+def wait_serving(address: str, proc: subprocess.Popen, log: Path, timeout: float = 120,
+                 alongside: tuple[Proc, ...] = ()) -> None:
     """Wait for the process at `address` to report SERVING (a worker has loaded its model;
-    a scheduler has a ready worker)."""
+    a scheduler has a ready worker). Raises at once, quoting the right log, if it or any
+    process `alongside` (one it waits for, such as its worker) exits."""
     import grpc
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(_failed(f"process exited with {proc.returncode}", log))
+        for other in alongside:
+            if other.proc.poll() is not None:
+                raise RuntimeError(_failed(f"{other.name} exited with {other.proc.returncode}",
+                                           other.log))
         try:
             if health_status(address) == "SERVING":
                 return
@@ -60,6 +67,15 @@ def wait_serving(address: str, proc: subprocess.Popen, log: Path, timeout: float
             pass
         time.sleep(0.1)
     raise TimeoutError(_failed(f"{address} not SERVING after {timeout:.0f} s", log))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port no process listens on now, for a process that must be named to another
+    before it starts (the kernel deals ephemeral ports out in a spread, so one given back
+    is rarely taken again within the seconds before its new owner binds it)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 @dataclass
@@ -70,6 +86,7 @@ class Proc:
     proc: subprocess.Popen
     ports: dict
     log: Path
+    port_file: Path | None = None
 
     @property
     def address(self) -> str:
@@ -87,10 +104,10 @@ class Proc:
         return self.proc.returncode
 
 
-def spawn(name: str, module: str, args: list[str], logdir: Path, *, env: dict | None = None,
-          wait_ready: bool = True, timeout: float = 120) -> Proc:
-    """`python -m module --port-file ... args` with output in logdir/name.log; returns once
-    it wrote its ports and, with `wait_ready`, its health service says SERVING."""
+def launch(name: str, module: str, args: list[str], logdir: Path, *,
+           env: dict | None = None) -> Proc:
+    """Start `python -m module --port-file ... args` with output in logdir/name.log and
+    return at once; `ready` waits for it."""
     port_file = logdir / f"{name}.ports.json"
     port_file.unlink(missing_ok=True)
     log = logdir / f"{name}.log"
@@ -100,11 +117,26 @@ def spawn(name: str, module: str, args: list[str], logdir: Path, *, env: dict | 
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env,
                                 cwd=REPO)
+    return Proc(name, proc, {}, log, port_file)
+
+
+def ready(p: Proc, wait_serving_too: bool = True, timeout: float = 120,
+          alongside: tuple[Proc, ...] = ()) -> Proc:
+    """Wait until the launched `p` wrote its ports and, with `wait_serving_too`, its health
+    service says SERVING; SIGKILL it and raise if it (or a process `alongside`) exits
+    first or the time runs out."""
     try:
-        p = Proc(name, proc, wait_port_file(port_file, proc, log, timeout), log)
-        if wait_ready:
-            wait_serving(p.address, proc, log, timeout)
+        p.ports = wait_port_file(p.port_file, p.proc, p.log, timeout)
+        if wait_serving_too:
+            wait_serving(p.address, p.proc, p.log, timeout, alongside)
     except BaseException:
-        Proc(name, proc, {}, log).stop(signal.SIGKILL, timeout=5)
+        p.stop(signal.SIGKILL, timeout=5)
         raise
     return p
+
+
+def spawn(name: str, module: str, args: list[str], logdir: Path, *, env: dict | None = None,
+          wait_ready: bool = True, timeout: float = 120) -> Proc:
+    """`launch`, then `ready`: returns once the process wrote its ports and, with
+    `wait_ready`, its health service says SERVING."""
+    return ready(launch(name, module, args, logdir, env=env), wait_ready, timeout)

@@ -91,7 +91,7 @@ def run_once(args, model_dir: Path, name: str, policy: str, hints: bool,
                    worker_options={"dtype": model_dtype(model_dir), "device": args.device,
                                    **opts},
                    start_timeout=300.0, stop_timeout=30.0)
-    d.start(overlap_loading=True)
+    d.start()
     try:
         with OfflineModel(d.address, timeout=3600, max_in_flight=len(warm) + len(job)) as m:
             m.run_requests(job_requests(warm, args.max_output, hints=False))
