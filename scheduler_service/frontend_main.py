@@ -10,12 +10,13 @@ import logging
 import os
 import signal
 import time
+from typing import NoReturn
 
 from scheduler_service.frontend import Frontend, make_serving_state
 from scheduler_service.public_servers import start_public
 from scheduler_service.remote_core import RemoteCore
 from seqserve_common import control_auth, tls
-from seqserve_common.command_line import process_arguments, write_port_file
+from seqserve_common.command_line import process_arguments, run_and_exit, write_port_file
 from seqserve_common.config import ConfigError, ServingConfig
 
 logger = logging.getLogger("seqserve.frontend")
@@ -98,5 +99,10 @@ def main(argv: list[str] | None = None) -> int:
                              public_tls, token))
 
 
+def cli() -> NoReturn:
+    """The console script's entry point: `main` and a prompt exit."""
+    run_and_exit(main)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli()

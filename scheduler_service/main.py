@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 import time
+from typing import NoReturn
 
 from prometheus_client import start_http_server
 
@@ -22,7 +23,7 @@ from scheduler_service.public_servers import start_public
 from scheduler_service.worker_client import WorkerClient
 from scheduler_service.worker_pool import WorkerPool
 from seqserve_common import control_auth, tls
-from seqserve_common.command_line import process_arguments, write_port_file
+from seqserve_common.command_line import process_arguments, run_and_exit, write_port_file
 from seqserve_common.config import ConfigError, ServingConfig
 
 logger = logging.getLogger("seqserve.scheduler")
@@ -151,5 +152,10 @@ def main(argv: list[str] | None = None) -> int:
                              sys.argv[1:] if argv is None else argv))
 
 
+def cli() -> NoReturn:
+    """The console script's entry point: `main` and a prompt exit."""
+    run_and_exit(main)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli()

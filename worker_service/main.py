@@ -10,12 +10,13 @@ import threading
 from concurrent import futures
 
 import grpc
+from typing import NoReturn
 from grpc_health.v1 import health, health_pb2_grpc
 from prometheus_client import start_http_server
 from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from seqserve_common import health as health_names
-from seqserve_common.command_line import process_arguments, write_port_file
+from seqserve_common.command_line import process_arguments, run_and_exit, write_port_file
 from seqserve_common.config import ConfigError
 from seqserve_common.control_auth import ControlTokenInterceptor, control_token
 from seqserve_common.control_channel import GRPC_MESSAGE_OPTIONS
@@ -235,5 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli() -> NoReturn:
+    """The console script's entry point: `main` and a prompt exit."""
+    run_and_exit(main)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli()
