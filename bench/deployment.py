@@ -8,6 +8,7 @@ import signal
 import time
 from pathlib import Path
 
+from bench.metrics import scrape
 from bench.processes import Proc, free_port, launch, ready
 
 logger = logging.getLogger("seqserve.bench")
@@ -111,22 +112,27 @@ class Deployment:
                                wait_ready, self.start_timeout)
         return self.scheduler
 
-    def start(self) -> Deployment:
-        """Start the worker and the scheduler at once; return when the scheduler is
-        SERVING (its worker has loaded the model).
+    def start(self, workers: int = 1) -> Deployment:
+        """Start `workers` workers and the scheduler at once; return when the scheduler
+        is SERVING with every worker joined (each has loaded the model).
 
-        Both start together, which halves the wait on a machine with two cores or more:
-        the worker is given a free port up front so that the scheduler can be told it. A
+        All start together, which halves the wait on a machine with two cores or more:
+        each worker is given a free port up front so that the scheduler can be told it. A
         worker that fails to load raises at once with its own log."""
         t0 = time.perf_counter()
         try:
-            port = self.worker_options.get("worker_port") or free_port()
-            self.worker = self._launch("worker", "worker_service.main",
-                                       self._worker_options(port))
+            ports = [self.worker_options.get("worker_port") or free_port()
+                     for _ in range(workers)]
+            self.workers = [self._launch("worker" if i == 0 else f"worker{i}",
+                                         "worker_service.main", self._worker_options(port))
+                            for i, port in enumerate(ports)]
             self.scheduler = self._launch("scheduler", "scheduler_service.main",
-                                          self._scheduler_options([port]))
-            ready(self.scheduler, True, self.start_timeout, alongside=(self.worker,))
-            ready(self.worker, False, self.start_timeout)
+                                          self._scheduler_options(ports))
+            ready(self.scheduler, True, self.start_timeout, alongside=tuple(self.workers))
+            for worker in self.workers:
+                ready(worker, workers > 1, self.start_timeout)
+            if workers > 1:
+                self._wait_joined(workers)
         except BaseException:
             self.stop()
             raise
@@ -134,6 +140,15 @@ class Deployment:
                     time.perf_counter() - t0, self.address, self.options, self.worker_options,
                     self.workdir)
         return self
+
+    def _wait_joined(self, workers: int) -> None:
+        """Wait until the scheduler counts `workers` ready workers (it serves once one is)."""
+        deadline = time.monotonic() + self.start_timeout
+        while scrape(self.metrics_url).get("seqserve_workers_ready", 0) < workers:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the scheduler did not take up {workers} workers in "
+                                   f"{self.start_timeout:.0f} s; log {self.scheduler.log}")
+            time.sleep(0.1)
 
     def stop(self) -> None:
         """SIGTERM the scheduler, then the worker; SIGKILL whatever outlives stop_timeout."""

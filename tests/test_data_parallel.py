@@ -18,10 +18,7 @@ from tests.test_generation import _run_staggered, check_against_reference, make_
 
 
 def start_two_workers(d):
-    d.start_worker()
-    d.start_worker(index=1)
-    d.start_scheduler()
-    return d
+    return d.start(workers=2)
 
 
 def placed(d) -> dict[str, float]:

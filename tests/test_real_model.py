@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -33,8 +34,7 @@ CHAT_QUESTION = "What is the capital of France?"
 SMALL_STEPS = {"max_num_batched_tokens": 256}
 
 
-@pytest.fixture(scope="module")
-def reference():
+def load_reference():
     """transformers alone on the GGUF file: its tokenizer and its float32 model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -42,6 +42,19 @@ def reference():
     model = AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name,
                                                  dtype=torch.float32).eval()
     return tok, model
+
+
+@pytest.fixture(scope="module")
+def reference_loading():
+    """load_reference in a thread of its own, started before the deployment: dequantizing
+    the file takes about 30 s, as long as the worker's own conversion beside it."""
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(load_reference)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_loading):
+    return reference_loading.result()
 
 
 @torch.inference_mode()
@@ -59,7 +72,7 @@ def chat_prompt(tok) -> str:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, reference_loading):
     """The GGUF file in float32. The worker converts it into a fresh cache directory on
     start and serves the copy; the scheduler (no cache) reads the tokenizer from the file."""
     cache = tmp_path_factory.mktemp("gguf-cache")

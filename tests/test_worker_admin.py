@@ -91,9 +91,7 @@ def test_a_drained_worker_finishes_its_streams_then_leaves(llama_dir, tmp_path):
     prompts = [(f"the knight number {i} rode to the tower " * (1 + i % 3), 48) for i in range(12)]
     late = [(f"a late traveller {i} came to the inn", 12) for i in range(6)]
     try:
-        d.start_worker()
-        d.start_worker(index=1)
-        d.start_scheduler()
+        d.start(workers=2)
         first, second = (w.address for w in d.workers)
         admin = AdminClient(d.address, TOKEN)
 
