@@ -21,14 +21,34 @@ def load(model_dir: str):
 
 
 def prompt_of_tokens(tok, n_tokens: int, rng: random.Random) -> str:
-    """Random text whose tokenization has exactly `n_tokens` tokens (n >= 1)."""
+    """Random text whose tokenization has exactly `n_tokens` tokens (n >= 1): the fewest
+    words drawn from `rng` that reach n tokens, then characters trimmed from the end.
+
+    The word count is found by doubling and bisection over a copy of `rng`, not by
+    tokenizing each longer text in turn (quadratic: seconds for a few long prompts); `rng`
+    then advances by exactly the words used, as a draw of one word at a time would."""
+    ahead = random.Random()
+    ahead.setstate(rng.getstate())
     words: list[str] = []
-    while True:
-        words.append(rng.choice(WORDS))
-        text = " ".join(words)
-        n = len(tok(text).input_ids)
-        if n >= n_tokens:
-            break
+
+    def count(k: int) -> int:
+        while len(words) < k:
+            words.append(ahead.choice(WORDS))
+        return len(tok(" ".join(words[:k])).input_ids)
+
+    high = 1
+    while count(high) < n_tokens:
+        high *= 2
+    low = high // 2  # count(low) < n_tokens, or low == 0
+    while high - low > 1:
+        mid = (low + high) // 2
+        if count(mid) >= n_tokens:
+            high = mid
+        else:
+            low = mid
+    for _ in range(high):
+        rng.choice(WORDS)
+    text = " ".join(words[:high])
     # Trim characters from the end until the count matches (counts move by ~1 per char).
     while len(tok(text).input_ids) > n_tokens and len(text) > 1:
         text = text[:-1]
