@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_service.kernels import bf16_weights
+from worker_service.kernels import bf16_weights, linear_prepack
 
 pytestmark = pytest.mark.skipif(bf16_weights.library() is None,
                                 reason="no C compiler or no AVX2 and FMA on this CPU")
@@ -29,17 +29,26 @@ def test_product_equals_the_float32_copys(monkeypatch, rows, k, n, bias, large, 
             linear.bias.copy_(torch.randn(n, generator=g))
     # A strided input: every other row of a larger tensor, as a packed batch's slices are.
     x = torch.randn(1, 2 * rows, k, generator=g)[:, ::2]
+    module = bf16_weights.Bf16WeightLinear(linear, copy)
+    assert module.packed == (copy and linear_prepack.runs(torch.float32))
+    wide, wide_bias = linear.weight.float(), None if not bias else linear.bias.float()
     with torch.inference_mode():
-        expected = F.linear(x, linear.weight.float(), None if not bias else linear.bias.float())
-        got = bf16_weights.Bf16WeightLinear(linear, copy)(x)
+        expected = F.linear(x, wide, wide_bias)
+        got = module(x)
     assert got.dtype == torch.float32 and got.shape == expected.shape
-    small = bf16_weights.LARGE_WEIGHT_ROWS if large else bf16_weights.SMALL_ROWS
-    if rows > small:
+    small = module.large_rows if large else bf16_weights.SMALL_ROWS
+    if rows > small and module.packed:
+        # oneDNN's float32 product over the prepacked copy, bit for bit.
+        with torch.inference_mode():
+            packed = torch.ops.mkldnn._reorder_linear_weight(wide, bf16_weights.PACK_HINT)
+            direct = torch.ops.mkldnn._linear_pointwise(x, packed, wide_bias, "none", [], "")
+        assert torch.equal(got, direct)
+    elif rows > small:
         assert torch.equal(got, expected)  # torch's float32 product on the float32 weight
-    else:
-        # The C loop sums in another order: float32 rounding of a k-term sum, no more.
-        scale = (x.abs() @ linear.weight.float().abs().T) + 1
-        assert ((got - expected).abs() / scale).max() < 1e-5
+    # The C loop and oneDNN sum in another order than F.linear: float32 rounding of a
+    # k-term sum, no more.
+    scale = (x.abs() @ wide.abs().T) + 1
+    assert ((got - expected).abs() / scale).max() < 1e-5
 
 
 @pytest.mark.parametrize("copy", [False, True])

@@ -10,7 +10,9 @@ So the weights of the linear layers and the embeddings stay bfloat16 and everyth
 computes in float32: products of few rows run `bf16_weights.c`, which reads each weight
 once as bfloat16 and widens it in registers; larger products run torch's float32 product,
 whose time is arithmetic, over a float32 copy of the weight where memory allows it (see
-cpu_dtype.py), else over the weight widened per product into a scratch buffer. The model
+cpu_dtype.py; prepacked in oneDNN's blocked layout where oneDNN runs float32, which
+multiplies 1.1-2.3x faster than MKL over the plain copy at these shapes), else over the
+weight widened per product into a scratch buffer. The model
 then computes what its float32 copy computes, up to the order of float32 sums in the C
 loop.
 """
@@ -25,19 +27,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_service.kernels import native_build
+from worker_service.kernels import linear_prepack, native_build
 
 SOURCE = Path(__file__).with_name("bf16_weights.c")
 _P, _I = native_build.P, native_build.I64
 FUNCTIONS = {"linear_bf16w": ([_P, _P, _P, _P, _I, _I, _I, _I], ctypes.c_int),
              "bf16w_vectorized": ([], ctypes.c_int)}
 # Rows up to which the C loop beats torch's float32 product, over a float32 copy of the
-# weight (kept where memory allows) or over the weight widened per call: 24, and 128 for
-# weights too large to stay in cache (an output layer), which torch's product reads from
-# memory more than once. Measured on an AVX2 EPYC, 2 threads, at SmolLM2's shapes
-# (docs/benchmarks.md).
+# weight (kept where memory allows) or over the weight widened per call: 24, and for
+# weights too large to stay in cache (an output layer) 128, or 32 over a copy in oneDNN's
+# layout. Measured on an AVX2 EPYC, 2 threads, at SmolLM2's shapes (docs/benchmarks.md).
 SMALL_ROWS = 24
-LARGE_WEIGHT, LARGE_WEIGHT_ROWS = 1 << 22, 128
+LARGE_WEIGHT, LARGE_WEIGHT_ROWS, PACKED_LARGE_WEIGHT_ROWS = 1 << 22, 128, 32
+# The row count oneDNN lays the float32 copy out for. Against MKL's product over the plain
+# copy, at SmolLM2's shapes: 1.1-1.5x at 8-256 rows, 0.87-1.24x at 2048, 2.3x for the
+# output layer at 64 rows; the hint 1 layout gained less at 8-64 rows.
+PACK_HINT = 32
 
 
 @functools.cache
@@ -70,14 +75,24 @@ class Bf16WeightLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("weight", linear.weight.detach().contiguous())
-        self.wide = self.weight.float() if copy else None
+        # The copy in oneDNN's blocked layout where oneDNN runs float32 here.
+        self.packed = copy and linear_prepack.runs(torch.float32)
+        self.wide = None
+        if copy:
+            wide = self.weight.float()
+            self.wide = (torch.ops.mkldnn._reorder_linear_weight(wide, PACK_HINT)
+                         if self.packed else wide)
         self.bias = (None if linear.bias is None else
                      nn.Parameter(linear.bias.detach().float(), requires_grad=False))
+        self.large_rows = PACKED_LARGE_WEIGHT_ROWS if self.packed else LARGE_WEIGHT_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
         rows = x.numel() // self.in_features
-        if rows > (LARGE_WEIGHT_ROWS if self.weight.numel() >= LARGE_WEIGHT else SMALL_ROWS):
+        if rows > (self.large_rows if self.weight.numel() >= LARGE_WEIGHT else SMALL_ROWS):
+            if self.packed:
+                return torch.ops.mkldnn._linear_pointwise(x, self.wide, self.bias, "none",
+                                                          [], "")
             wide = self.wide if self.wide is not None else _Scratch.widen(self.weight)
             return F.linear(x, wide, self.bias)
         flat = x.reshape(rows, self.in_features)
