@@ -82,9 +82,12 @@ class Deployment:
         self.workdir.mkdir(parents=True, exist_ok=True)
         return launch(name, module, flags(options), self.workdir, env=self.env)
 
-    def _worker_options(self, port: int) -> dict:
-        return {"model_id": self.model_dir, "host": "127.0.0.1", "worker_port": port,
+    def _launch_worker(self, index: int, port: int) -> Proc:
+        """Worker number `index` on `port` (0: any free one), launched, not waited for."""
+        opts = {"model_id": self.model_dir, "host": "127.0.0.1", "worker_port": port,
                 "worker_metrics_port": 0, **self.worker_options}
+        return self._launch("worker" if index == 0 else f"worker{index}",
+                            "worker_service.main", opts)
 
     def _scheduler_options(self, ports: list[int]) -> dict:
         return {"model_id": self.model_dir, "host": "127.0.0.1", "port": 0, "metrics_port": 0,
@@ -94,9 +97,7 @@ class Deployment:
     def start_worker(self, port: int = 0, wait_ready: bool = True, index: int = 0) -> Proc:
         """Start worker number `index` (a restart when it exists, else the next one) on
         `port` (0: any free one); with `wait_ready`, return once its model is loaded."""
-        name = "worker" if index == 0 else f"worker{index}"
-        proc = ready(self._launch(name, "worker_service.main", self._worker_options(port)),
-                     wait_ready, self.start_timeout)
+        proc = ready(self._launch_worker(index, port), wait_ready, self.start_timeout)
         if index < len(self.workers):
             self.workers[index] = proc
         else:
@@ -123,9 +124,7 @@ class Deployment:
         try:
             ports = [self.worker_options.get("worker_port") or free_port()
                      for _ in range(workers)]
-            self.workers = [self._launch("worker" if i == 0 else f"worker{i}",
-                                         "worker_service.main", self._worker_options(port))
-                            for i, port in enumerate(ports)]
+            self.workers = [self._launch_worker(i, port) for i, port in enumerate(ports)]
             self.scheduler = self._launch("scheduler", "scheduler_service.main",
                                           self._scheduler_options(ports))
             ready(self.scheduler, True, self.start_timeout, alongside=tuple(self.workers))

@@ -76,4 +76,4 @@ def run_and_exit(main: Callable[[], int]) -> NoReturn:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code if isinstance(code, int) else 1)
+    os._exit(code)

@@ -8,9 +8,9 @@ import signal
 import sys
 import threading
 from concurrent import futures
+from typing import NoReturn
 
 import grpc
-from typing import NoReturn
 from grpc_health.v1 import health, health_pb2_grpc
 from prometheus_client import start_http_server
 from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
