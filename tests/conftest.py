@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -40,6 +43,29 @@ def tiny_model(arch: str = "llama") -> Path:
 @pytest.fixture(scope="session")
 def llama_dir() -> Path:
     return tiny_model("llama")
+
+
+# The tiny Llama decodes its whole 1024-token context in well under a second on a fast
+# CPU, so a test that cancels a request, or lets its deadline pass, while it is still
+# decoding asks for more tokens than that from this copy of it, whose context alone is
+# longer (a config change: its rotary positions need no table, its weights are the same).
+LONG_CONTEXT = 32768
+
+
+def long_context_model() -> Path:
+    """The tiny Llama with max_position_embeddings = LONG_CONTEXT (written once)."""
+    out = MODELS / "tiny-llama-long-context"
+    if not out.exists():
+        staging = Path(tempfile.mkdtemp(dir=MODELS, prefix=".long-context-"))
+        shutil.copytree(tiny_model("llama"), staging, dirs_exist_ok=True)
+        config = json.loads((staging / "config.json").read_text())
+        config["max_position_embeddings"] = LONG_CONTEXT
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        try:
+            staging.rename(out)
+        except OSError:  # another process wrote it first
+            shutil.rmtree(staging, ignore_errors=True)
+    return out
 
 
 @pytest.fixture

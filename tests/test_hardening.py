@@ -29,7 +29,7 @@ from scheduler_service import params
 from scheduler_service.params import Limits, RequestError, resolve
 from seqserve.v1 import generate_pb2, generate_pb2_grpc
 from seqserve_common.config import parse_properties
-from tests.conftest import tiny_model
+from tests.conftest import LONG_CONTEXT, long_context_model, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 CONTEXT = 1024  # the tiny Llama's max_position_embeddings
@@ -43,8 +43,9 @@ RUNNING = "seqserve_num_requests_running"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    # max_new_tokens_limit past the context: ModelInfo must not advertise it (item 6).
-    d = Deployment(tiny_model("llama"), tmp_path_factory.mktemp("hardening"),
+    # max_new_tokens_limit past the context: ModelInfo must not advertise it (item 6). The
+    # long context keeps a request decoding until its client goes away, however fast.
+    d = Deployment(long_context_model(), tmp_path_factory.mktemp("hardening"),
                    {"max_new_tokens_limit": 100000})
     d.start()
     try:
@@ -98,12 +99,12 @@ def test_http_disconnect_cancels_a_non_streaming_request(server):
     """Before: the sequence ran on to max_new_tokens for nobody and counted as `length`."""
     d = server
     before = scrape(d.metrics_url)
-    body = json.dumps({"inputs": "Once upon a time",
-                       "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}).encode()
+    body = json.dumps({"inputs": "Once upon a time", "parameters": {
+        "max_new_tokens": LONG_CONTEXT - 16, "ignore_eos": True}}).encode()
     s = socket.create_connection(("127.0.0.1", http_port(d)))
     try:
         s.sendall(raw_request(body))
-        # ~1000 tokens take several seconds here; close once it is decoding.
+        # Close once it is decoding.
         assert wait_for(lambda: metric(d, RUNNING) >= 1, 30), "the request never ran"
     finally:
         s.close()
@@ -120,16 +121,19 @@ def test_http_disconnect_cancels_a_non_streaming_request(server):
 def test_http_disconnect_cancels_a_streaming_request(server):
     d = server
     before = metric(d, FINISHED % "cancelled")
-    body = json.dumps({"inputs": "Once upon a time", "stream": True,
-                       "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}).encode()
+    body = json.dumps({"inputs": "Once upon a time", "stream": True, "parameters": {
+        "max_new_tokens": LONG_CONTEXT - 16, "ignore_eos": True}}).encode()
     s = socket.create_connection(("127.0.0.1", http_port(d)))
     try:
         s.sendall(raw_request(body))
         assert s.recv(100).startswith(b"HTTP/1.1 200")
     finally:
         s.close()
+    # The headers can come before the request is admitted, so "nothing running" alone could
+    # be read before it ran at all: wait for its end as cancelled.
+    assert wait_for(lambda: metric(d, FINISHED % "cancelled") == before + 1, 5), \
+        "the sequence was not cancelled after its client went away"
     assert wait_for(lambda: metric(d, RUNNING) == 0, 3)
-    assert metric(d, FINISHED % "cancelled") == before + 1
 
 
 # --- 2. a huge list of prompts is refused before it is tokenized --------------------------
@@ -248,8 +252,8 @@ def test_context_message_when_max_new_tokens_alone_exceeds_it():
 def test_model_info_limit_fits_the_context(server):
     with Client(server.address, timeout=30) as c:
         info = c.model_info()
-    assert info.max_position_embeddings == CONTEXT
-    assert info.max_new_tokens_limit == CONTEXT - 1  # not the configured 100000
+    assert info.max_position_embeddings == LONG_CONTEXT
+    assert info.max_new_tokens_limit == LONG_CONTEXT - 1  # not the configured 100000
 
 
 # --- 7. junk and dropped connections do not flood the log ---------------------------------

@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 from bench.deployment import Deployment
 from bench.metrics import scrape
 from client import Client
-from tests.conftest import tiny_model
+from tests.conftest import LONG_CONTEXT, long_context_model, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "openai-test-token"
@@ -542,14 +542,25 @@ def test_disconnect_mid_stream_cancels_every_choice(server):
     assert metric(server, FINISHED % "cancelled") == before + 2
 
 
-def test_client_timeout_cancels_a_non_streamed_request(chat_server):
-    before = metric(chat_server, FINISHED % "cancelled")
-    with pytest.raises(openai.APITimeoutError):
-        sync_client(chat_server, timeout=1.0).chat.completions.create(
-            model=CHAT_NAME, messages=[{"role": "user", "content": "go on"}], max_tokens=1000,
-            extra_body={"ignore_eos": True})
-    assert wait_for(lambda: metric(chat_server, RUNNING) == 0, 5)
-    assert metric(chat_server, FINISHED % "cancelled") == before + 1
+def test_client_timeout_cancels_a_non_streamed_request(chat_model, tmp_path):
+    # A context longer than any machine decodes in the 1 s timeout below.
+    model = tmp_path / "long-chat-model"
+    shutil.copytree(chat_model, model)
+    shutil.copy(long_context_model() / "config.json", model / "config.json")
+    d = Deployment(model, tmp_path / "run", {"openai_port": 0,
+                                             "served_model_name": CHAT_NAME,
+                                             "max_new_tokens_limit": LONG_CONTEXT})
+    d.start()
+    try:
+        before = metric(d, FINISHED % "cancelled")
+        with pytest.raises(openai.APITimeoutError):
+            sync_client(d, timeout=1.0).chat.completions.create(
+                model=CHAT_NAME, messages=[{"role": "user", "content": "go on"}],
+                max_tokens=LONG_CONTEXT - 64, extra_body={"ignore_eos": True})
+        assert wait_for(lambda: metric(d, RUNNING) == 0, 5)
+        assert metric(d, FINISHED % "cancelled") == before + 1
+    finally:
+        d.stop()
 
 
 # --- seqserve chat ------------------------------------------------------------------------

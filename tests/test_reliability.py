@@ -16,6 +16,7 @@ from bench.processes import health_status
 from client import AsyncClient, Client
 from client.api import build_request, response_tokens
 from tests import reference
+from tests.conftest import LONG_CONTEXT, long_context_model
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:
@@ -52,11 +53,13 @@ def _worker_sequences(d) -> float:
     return scrape(f"http://127.0.0.1:{d.worker.ports['metrics']}/metrics")["seqserve_worker_sequences"]
 
 
-def test_cancel_and_deadline_release_the_sequence(llama_dir, deploy):
-    d = deploy(llama_dir)
+def test_cancel_and_deadline_release_the_sequence(deploy):
+    # Longer than any machine decodes in the 1 s deadline below.
+    n = LONG_CONTEXT - 16
+    d = deploy(long_context_model(), max_new_tokens_limit=n)
     with Client(d.address) as c:
         call = c.stub.Generate(build_request(
-            "once upon a time", max_new_tokens=900, ignore_eos=True))
+            "once upon a time", max_new_tokens=n, ignore_eos=True))
         for _ in range(5):
             next(call)
         assert _worker_sequences(d) == 1
@@ -67,7 +70,7 @@ def test_cancel_and_deadline_release_the_sequence(llama_dir, deploy):
         assert m["seqserve_requests_finished_total{reason=cancelled}"] == 1
         # A deadline that passes mid-generation releases the sequence the same way.
         with pytest.raises(grpc.RpcError) as err:
-            Client(d.address, timeout=1.0).generate("once upon a time", max_new_tokens=900,
+            Client(d.address, timeout=1.0).generate("once upon a time", max_new_tokens=n,
                                                      ignore_eos=True)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         wait_until(lambda: _worker_sequences(d) == 0, 5, "the worker to drop the expired sequence")
