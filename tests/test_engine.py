@@ -220,8 +220,11 @@ def test_kv_dtype_auto_on_cpu_is_bfloat16_with_the_native_loop_else_float32(monk
 # Head sizes: 16 takes the portable loop; 64 and 128 the AVX512-BF16 one where the CPU has
 # it, with the size fixed at compile time; 96 the AVX512-BF16 one with a run-time size. In
 # float32 (AVX2): 64 and 128 fixed, 16 and 96 at run time, 20 the portable loop.
+# Grouped-query decoding takes its query heads in passes of up to 4 (2 at dim 128): 9 over
+# 3 is SmolLM2's grouping, 10 over 2 a pass of 4 and one of 1.
 NATIVE_SHAPES = [(4, 4, None, 16), (4, 2, None, 16), (6, 2, 5, 16), (4, 2, None, 64),
-                 (6, 2, 5, 128), (2, 1, None, 96), (2, 1, 3, 20)]
+                 (6, 2, 5, 128), (2, 1, None, 96), (2, 1, 3, 20), (9, 3, None, 64),
+                 (10, 2, 4, 64)]
 
 
 def test_kv_buffers_skip_the_zero_fill_only_where_the_native_loops_read_them(monkeypatch):

@@ -202,16 +202,22 @@ static inline __m512 sum16(__m512 a[16]) {
     return _mm512_permutexvar_ps(order, e);
 }
 
-/* As attend_one_generic, for dim a multiple of 32: query-key products with AVX512-BF16 dot
- * instructions (exact bfloat16 products, float32 sums), 16 slots at a time; the
- * probabilities stay float32 for the weighted sum of values. */
-static inline __attribute__((always_inline)) void
-attend_one_avx512(const uint16_t *qh, const uint16_t *kh, const uint16_t *vh, uint16_t *o,
-                  int64_t end, const int64_t dim, float scale, int64_t window, float *scores) {
-    const int64_t first = (window > 0 && end > window) ? end - window : 0;
-    const int64_t n = end - first;
-    kh += first * dim;
-    vh += first * dim;
+/* 32 bfloat16 at p as float32 (exact): elements 0, 2, .., 30 in *even and 1, 3, .., 31 in
+ * *odd. One load and two integer instructions, where load16 spends a widening conversion
+ * on every 16; sums kept in this order are the same sums, lane for lane. */
+static inline __attribute__((always_inline)) void load32_split(const uint16_t *p, __m512 *even,
+                                                               __m512 *odd) {
+    const __m512i x = _mm512_loadu_si512(p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* One query against n slots of keys: scores[s] = exp(q.k_s * scale - the largest), by
+ * AVX512-BF16 dot instructions (exact bfloat16 products, float32 sums), 16 slots at a time.
+ * Returns the scores' sum. */
+static inline __attribute__((always_inline)) float
+probabilities_avx512(const uint16_t *qh, const uint16_t *kh, int64_t n, const int64_t dim,
+                     float scale, float *scores) {
     const int64_t chunks = dim / 32; /* 32 bfloat16 per dot instruction */
     __m512bh qv[MAX_DIM / 32];
     for (int64_t c = 0; c < chunks; c++)
@@ -254,7 +260,34 @@ attend_one_avx512(const uint16_t *qh, const uint16_t *kh, const uint16_t *vh, ui
         _mm512_mask_storeu_ps(scores + s, m, e);
         totv = _mm512_add_ps(totv, e);
     }
-    const float total = _mm512_reduce_add_ps(totv);
+    return _mm512_reduce_add_ps(totv);
+}
+
+/* o[d] = acc[d] * inv as bfloat16, acc held as load32_split lays it out: vector 2c the even
+ * elements of dims [32c, 32c + 32), vector 2c + 1 the odd ones. */
+static inline __attribute__((always_inline)) void
+store_split(const __m512 *acc, const int64_t dim, float inv, uint16_t *o) {
+    float even[16], odd[16];
+    for (int64_t c = 0; c < dim / 32; c++) {
+        _mm512_storeu_ps(even, _mm512_mul_ps(acc[2 * c], _mm512_set1_ps(inv)));
+        _mm512_storeu_ps(odd, _mm512_mul_ps(acc[2 * c + 1], _mm512_set1_ps(inv)));
+        for (int i = 0; i < 16; i++) {
+            o[c * 32 + 2 * i] = float_to_bf16(even[i]);
+            o[c * 32 + 2 * i + 1] = float_to_bf16(odd[i]);
+        }
+    }
+}
+
+/* As attend_one_generic, for dim a multiple of 32 (see probabilities_avx512); the
+ * probabilities stay float32 for the weighted sum of values. */
+static inline __attribute__((always_inline)) void
+attend_one_avx512(const uint16_t *qh, const uint16_t *kh, const uint16_t *vh, uint16_t *o,
+                  int64_t end, const int64_t dim, float scale, int64_t window, float *scores) {
+    const int64_t first = (window > 0 && end > window) ? end - window : 0;
+    const int64_t n = end - first;
+    kh += first * dim;
+    vh += first * dim;
+    const float total = probabilities_avx512(qh, kh, n, dim, scale, scores);
     /* Several slots per iteration, each into accumulators of its own: one chain of
      * dependent multiply-adds per slot would wait on the FMA latency every slot. */
     enum { UNROLL = 4 };
@@ -263,6 +296,7 @@ attend_one_avx512(const uint16_t *qh, const uint16_t *kh, const uint16_t *vh, ui
     for (int u = 0; u < UNROLL; u++)
         for (int64_t c = 0; c < vecs; c++)
             acc[u][c] = _mm512_setzero_ps();
+    int64_t s;
     for (s = 0; s + ways <= n; s += ways)
         for (int u = 0; u < ways; u++) {
             const __m512 p = _mm512_set1_ps(scores[s + u]);
@@ -284,6 +318,68 @@ attend_one_avx512(const uint16_t *qh, const uint16_t *kh, const uint16_t *vh, ui
         _mm512_storeu_ps(tmp, _mm512_mul_ps(acc[0][c], _mm512_set1_ps(inv)));
         for (int i = 0; i < 16; i++)
             o[c * 16 + i] = float_to_bf16(tmp[i]);
+    }
+}
+
+/* The weighted values of m query heads that share one KV head, in one pass over the n
+ * value slots: each slot's values are widened once for all m heads, and the m heads' sums
+ * are the independent chains that hide the multiply-add latency. scores: head g's
+ * probabilities at g * stride; inv[g]: 1 / their sum. o: the m heads' outputs, dim apart. */
+static inline __attribute__((always_inline)) void
+attend_values_avx512(const float *scores, int64_t stride, const uint16_t *vh, int64_t n,
+                     const int64_t dim, const int m, const float *inv, uint16_t *o) {
+    enum { MAX_M = 4 };
+    const int64_t vecs = dim / 16;
+    __m512 acc[MAX_M][MAX_DIM / 16];
+    for (int g = 0; g < m; g++)
+        for (int64_t c = 0; c < vecs; c++)
+            acc[g][c] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < n; s++) {
+        __m512 p[MAX_M];
+        for (int g = 0; g < m; g++)
+            p[g] = _mm512_set1_ps(scores[g * stride + s]);
+        const uint16_t *vs = vh + s * dim;
+        for (int64_t c = 0; c < vecs; c += 2) {
+            __m512 even, odd;
+            load32_split(vs + c * 16, &even, &odd);
+            for (int g = 0; g < m; g++) {
+                acc[g][c] = _mm512_fmadd_ps(p[g], even, acc[g][c]);
+                acc[g][c + 1] = _mm512_fmadd_ps(p[g], odd, acc[g][c + 1]);
+            }
+        }
+    }
+    for (int g = 0; g < m; g++)
+        store_split(acc[g], dim, inv[g], o + g * dim);
+}
+
+/* `group` query heads (q, o: group x dim, contiguous) against one KV head, for dim a
+ * multiple of 32: each head's probabilities as attend_one_avx512 computes them, then the
+ * values in passes of up to 4 heads (2 at dim 128, 1 above: the sums in registers).
+ * scores: room for group x stride floats, stride >= the slots read. */
+static inline __attribute__((always_inline)) void
+attend_group_avx512(const uint16_t *q, const uint16_t *kh, const uint16_t *vh, uint16_t *o,
+                    int64_t end, const int64_t dim, int64_t group, float scale,
+                    int64_t window, float *scores, int64_t stride) {
+    const int64_t first = (window > 0 && end > window) ? end - window : 0;
+    const int64_t n = end - first;
+    kh += first * dim;
+    vh += first * dim;
+    const int per = dim <= 64 ? 4 : dim <= 128 ? 2 : 1;
+    float inv[4];
+    for (int64_t h = 0; h < group; h += per) {
+        const int m = group - h < per ? (int)(group - h) : per;
+        for (int g = 0; g < m; g++) {
+            const float total = probabilities_avx512(q + (h + g) * dim, kh, n, dim, scale,
+                                                     scores + g * stride);
+            inv[g] = n > 0 ? 1.f / total : 0.f;
+        }
+        /* m as a constant in each call, so the sums stay in registers */
+        switch (m) {
+        case 4: attend_values_avx512(scores, stride, vh, n, dim, 4, inv, o + h * dim); break;
+        case 3: attend_values_avx512(scores, stride, vh, n, dim, 3, inv, o + h * dim); break;
+        case 2: attend_values_avx512(scores, stride, vh, n, dim, 2, inv, o + h * dim); break;
+        default: attend_values_avx512(scores, stride, vh, n, dim, 1, inv, o + h * dim); break;
+        }
     }
 }
 #endif
@@ -376,6 +472,51 @@ static int attend_pairs(const void *q, const void *k, const void *v, void *out,
     return status;
 }
 
+#ifdef HAVE_AVX512_BF16
+/* Decoding with grouped-query attention: each (row, KV head) unit takes the query heads
+ * that share that KV head together (attend_group_avx512), split over torch's OpenMP team
+ * as attend_pairs splits pairs. */
+static int decode_groups_avx512(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                                uint16_t *out, const int64_t *lengths, int64_t rows,
+                                int64_t heads, int64_t kv_heads, int64_t dim,
+                                int64_t row_stride, int64_t head_stride, float scale,
+                                int64_t window, int64_t max_len) {
+    const int64_t units = rows * kv_heads, group = heads / kv_heads;
+    const int64_t stride = (max_len > 0 ? max_len : 0) + 16;
+    int status = 0;
+#pragma omp parallel if (rows * heads >= 2 * MIN_PAIRS_PER_THREAD)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(group < 4 ? group : 4)
+                               * (size_t)stride);
+        if (!scores) {
+#pragma omp atomic write
+            status = -2;
+        }
+#pragma omp for schedule(static)
+        for (int64_t unit = 0; unit < units; unit++) {
+            if (!scores)
+                continue;
+            const int64_t r = unit / kv_heads, j = unit % kv_heads;
+            const int64_t at = r * row_stride + j * head_stride;
+            const uint16_t *qu = q + unit * group * dim;
+            uint16_t *ou = out + unit * group * dim;
+            /* The common head sizes as constants, so the sums live in registers. */
+            if (dim == 64)
+                attend_group_avx512(qu, k + at, v + at, ou, lengths[r], 64, group, scale,
+                                    window, scores, stride);
+            else if (dim == 128)
+                attend_group_avx512(qu, k + at, v + at, ou, lengths[r], 128, group, scale,
+                                    window, scores, stride);
+            else
+                attend_group_avx512(qu, k + at, v + at, ou, lengths[r], dim, group, scale,
+                                    window, scores, stride);
+        }
+        free(scores);
+    }
+    return status;
+}
+#endif
+
 /* Decoding: one query per row of a group, row r attending below lengths[r] (at most
  * max_len). */
 int decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
@@ -383,6 +524,12 @@ int decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
                           int64_t heads, int64_t kv_heads, int64_t dim,
                           int64_t row_stride, int64_t head_stride, float scale,
                           int64_t window, int64_t max_len) {
+#ifdef HAVE_AVX512_BF16
+    if (dim <= MAX_DIM && dim % 32 == 0 && kv_heads > 0 && heads % kv_heads == 0
+        && heads > kv_heads)
+        return decode_groups_avx512(q, k, v, out, lengths, rows, heads, kv_heads, dim,
+                                    row_stride, head_stride, scale, window, max_len);
+#endif
     return attend_pairs(q, k, v, out, lengths, 0, rows, heads, kv_heads, dim, row_stride,
                         head_stride, scale, window, max_len, 1);
 }
