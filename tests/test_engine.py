@@ -261,7 +261,8 @@ def test_native_decode_attention_matches_masked_sdpa(heads, kv_heads, window, di
     """The C loop against float32 SDPA with the row masks the worker builds: padded rows of
     different lengths (blocks of 16 slots and the rest), a segment starting past row 0,
     grouped-query heads, a sliding window; 18-54 (row, head) pairs, enough for it to split
-    them over threads. bfloat16 KV, or float32 (a model computing in float32)."""
+    them over threads. bfloat16 KV, or float32 (a model computing in float32). The same
+    call writes each row's new key and value."""
     from worker_service.kernels import native_attention
     from worker_service.attention import build_mask
 
@@ -273,8 +274,17 @@ def test_native_decode_attention_matches_masked_sdpa(heads, kv_heads, window, di
     values = torch.randn(keys.shape, generator=g).to(dtype)
     slots = torch.tensor([0, 7, 19, 33, 12, 3, 38, 1, 25])  # each row's new token's slot
     query = torch.randn(rows, heads, dim, generator=g).to(dtype)
+    # Each row's new key and value come with the call (a strided [rows, kv_heads, dim]
+    # view, as the step passes them) and land in its slot, which holds stale values.
+    lines = torch.arange(row_start, row_start + rows)
+    new_k = keys[lines, :, slots].clone().transpose(0, 1).contiguous().transpose(0, 1)
+    new_v = values[lines, :, slots].clone().transpose(0, 1).contiguous().transpose(0, 1)
+    want_keys, want_values = keys.clone(), values.clone()
+    keys[lines, :, slots] = torch.full_like(new_k, float("nan"))
+    values[lines, :, slots] = torch.full_like(new_v, 1e4)
     got = native_attention.attend(query, keys, values, row_start, slots + 1,
-                                  int(slots.max()) + 1, 0.25, window)
+                                  int(slots.max()) + 1, 0.25, window, new_k, new_v)
+    assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
     kv_len = int(slots.max()) + 1
     mask = build_mask(slots, 1, kv_len, None, window)  # [rows, 1, 1, kv_len]
     k = keys[row_start:row_start + rows, :, :kv_len].float().repeat_interleave(heads // kv_heads, 1)

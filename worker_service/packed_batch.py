@@ -144,17 +144,35 @@ class PackedBatch:
     # --- what the model calls, layer by layer ----------------------------------------------
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store the new keys/values [1, kv_heads, T, dim] of every segment in its group."""
+        """Store the new keys/values [1, kv_heads, T, dim] of every segment in its group
+        (a decoding segment that the C loop attends over: in `attend`'s call)."""
         for seg in self.segments:
             a, b = seg.token_start, seg.token_start + seg.num_tokens
             k_buf, v_buf = seg.group.keys[layer], seg.group.values[layer]
             if isinstance(seg, DecodeSegment):
-                # Advanced indices on dims 0 and 2 put them first: [rows, heads, dim].
-                k_buf[seg.rows_index, :, seg.slots] = key[0, :, a:b].transpose(0, 1).to(k_buf.dtype)
-                v_buf[seg.rows_index, :, seg.slots] = value[0, :, a:b].transpose(0, 1).to(v_buf.dtype)
+                if not self._writes_in_attend(layer, key, k_buf, v_buf):
+                    self._write_decode(seg, k_buf, v_buf, key[0, :, a:b].transpose(0, 1),
+                                       value[0, :, a:b].transpose(0, 1))
             else:
                 k_buf[seg.row, :, seg.start : seg.start + seg.num_tokens] = key[0, :, a:b]
                 v_buf[seg.row, :, seg.start : seg.start + seg.num_tokens] = value[0, :, a:b]
+
+    def _writes_in_attend(self, layer: int, key: torch.Tensor, k_buf: torch.Tensor,
+                          v_buf: torch.Tensor) -> bool:
+        """Whether a decoding segment's new keys and values in `layer` are written by the C
+        loop's call in `attend` (one call, where index_put would take two a layer) rather
+        than by `write`: decided alike in both from the new keys, which have the query's
+        dtype and head size."""
+        spec = self.layers[layer] if self.layers else FULL
+        return spec.native and native_attention.supports(key[0, :, :1], k_buf, v_buf)
+
+    @staticmethod
+    def _write_decode(seg: DecodeSegment, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                      key: torch.Tensor, value: torch.Tensor) -> None:
+        """key/value [rows, kv_heads, dim] into each row's slot (advanced indices on dims 0
+        and 2 put them first: [rows, heads, dim])."""
+        k_buf[seg.rows_index, :, seg.slots] = key.to(k_buf.dtype)
+        v_buf[seg.rows_index, :, seg.slots] = value.to(v_buf.dtype)
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float) -> torch.Tensor:
@@ -173,12 +191,17 @@ class PackedBatch:
             if isinstance(seg, DecodeSegment):
                 rows = seg.num_tokens
                 k_buf, v_buf = seg.group.keys[layer], seg.group.values[layer]
+                deferred = self._writes_in_attend(layer, key, k_buf, v_buf)
+                new_k, new_v = key[0, :, a:b].transpose(0, 1), value[0, :, a:b].transpose(0, 1)
                 if spec.native and native_attention.supports(query, k_buf, v_buf):
-                    # On CPU: a C loop over each row's own slots.
+                    # On CPU: a C loop over each row's own slots (writing its new KV first).
                     out[0, a:b] = native_attention.attend(
                         query[0, :, a:b].transpose(0, 1), k_buf, v_buf, seg.row_start,
-                        seg.ends, seg.kv_len, scaling, window)
+                        seg.ends, seg.kv_len, scaling, window,
+                        *((new_k, new_v) if deferred else ()))
                     continue
+                if deferred:
+                    self._write_decode(seg, k_buf, v_buf, new_k, new_v)
                 # SDPA reads the padding of shorter rows (masked): only zero-filled buffers.
                 assert seg.group.shape.reads_padding, "unfilled KV buffers read past rows"
                 # Fold the query heads that share a kv head into the query axis: no kv

@@ -517,13 +517,35 @@ static int decode_groups_avx512(const uint16_t *q, const uint16_t *k, const uint
 }
 #endif
 
+/* Each row's new key and value (one token, [rows, kv_heads, dim] at the given element
+ * strides, unit stride within a head) into slot lengths[r] - 1 of its row: the decoding
+ * step's KV write, done here so that the caller needs no scattered index_put a layer. */
+static void write_new_kv(char *k, char *v, const char *new_k, const char *new_v,
+                         const int64_t *lengths, int64_t rows, int64_t kv_heads, int64_t dim,
+                         int64_t row_stride, int64_t head_stride, int64_t new_row_stride,
+                         int64_t new_head_stride, int64_t size) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < kv_heads; j++) {
+            const int64_t at = (r * row_stride + j * head_stride + (lengths[r] - 1) * dim) * size;
+            const int64_t from = (r * new_row_stride + j * new_head_stride) * size;
+            memcpy(k + at, new_k + from, (size_t)(dim * size));
+            memcpy(v + at, new_v + from, (size_t)(dim * size));
+        }
+}
+
 /* Decoding: one query per row of a group, row r attending below lengths[r] (at most
- * max_len). */
-int decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                          uint16_t *out, const int64_t *lengths, int64_t rows,
-                          int64_t heads, int64_t kv_heads, int64_t dim,
-                          int64_t row_stride, int64_t head_stride, float scale,
-                          int64_t window, int64_t max_len) {
+ * max_len). Where new_k is not NULL, each row's new key and value are first written to its
+ * slot lengths[r] - 1 (write_new_kv). */
+int decode_attention_bf16(const uint16_t *q, uint16_t *k, uint16_t *v, uint16_t *out,
+                          const int64_t *lengths, int64_t rows, int64_t heads,
+                          int64_t kv_heads, int64_t dim, int64_t row_stride,
+                          int64_t head_stride, float scale, int64_t window, int64_t max_len,
+                          const uint16_t *new_k, const uint16_t *new_v,
+                          int64_t new_row_stride, int64_t new_head_stride) {
+    if (new_k)
+        write_new_kv((char *)k, (char *)v, (const char *)new_k, (const char *)new_v, lengths,
+                     rows, kv_heads, dim, row_stride, head_stride, new_row_stride,
+                     new_head_stride, 2);
 #ifdef HAVE_AVX512_BF16
     if (dim <= MAX_DIM && dim % 32 == 0 && kv_heads > 0 && heads % kv_heads == 0
         && heads > kv_heads)
@@ -535,10 +557,16 @@ int decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
 }
 
 /* The same over float32 query, KV and output (a model that computes in float32). */
-int decode_attention_f32(const float *q, const float *k, const float *v, float *out,
+int decode_attention_f32(const float *q, float *k, float *v, float *out,
                          const int64_t *lengths, int64_t rows, int64_t heads,
                          int64_t kv_heads, int64_t dim, int64_t row_stride,
-                         int64_t head_stride, float scale, int64_t window, int64_t max_len) {
+                         int64_t head_stride, float scale, int64_t window, int64_t max_len,
+                         const float *new_k, const float *new_v, int64_t new_row_stride,
+                         int64_t new_head_stride) {
+    if (new_k)
+        write_new_kv((char *)k, (char *)v, (const char *)new_k, (const char *)new_v, lengths,
+                     rows, kv_heads, dim, row_stride, head_stride, new_row_stride,
+                     new_head_stride, 4);
     return attend_pairs(q, k, v, out, lengths, 0, rows, heads, kv_heads, dim, row_stride,
                         head_stride, scale, window, max_len, 0);
 }

@@ -53,10 +53,10 @@ MAX_DIM = 512  # the C loops' largest head size (MAX_DIM there)
 TILED_MIN_TOKENS = 32  # shorter prompts: the one-query loop is as fast (measured)
 _P, _I, _F = native_build.P, native_build.I64, native_build.F32
 FUNCTIONS = {
-    "decode_attention_bf16": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _I],
-                              ctypes.c_int),
-    "decode_attention_f32": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _I],
-                             ctypes.c_int),
+    "decode_attention_bf16": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _I,
+                               _P, _P, _I, _I], ctypes.c_int),
+    "decode_attention_f32": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _I,
+                              _P, _P, _I, _I], ctypes.c_int),
     "prompt_attention_bf16": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I], ctypes.c_int),
 }
 # The decoding loop for each query/KV dtype.
@@ -101,19 +101,35 @@ def supports_prompt(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_start: int,
-           ends: torch.Tensor, max_end: int, scale: float, window: int | None) -> torch.Tensor:
+           ends: torch.Tensor, max_end: int, scale: float, window: int | None,
+           new_keys: torch.Tensor | None = None,
+           new_values: torch.Tensor | None = None) -> torch.Tensor:
     """query [rows, heads, dim] (bfloat16 or float32, the KV's dtype); keys/values the
     group's whole buffers [row_capacity, kv_heads, slots, dim]; row i of the query is
     buffer row row_start + i and attends to its slots below ends[i] (int64, at most
-    max_end), the last `window` of them when set. Returns [rows, heads, dim] in the
+    max_end), the last `window` of them when set. With new_keys/new_values ([rows,
+    kv_heads, dim], any row and head strides), row i's are first written to its slot
+    ends[i] - 1: the step's KV write in the same call. Returns [rows, heads, dim] in the
     query's dtype."""
     query, out, pointers = _operands(query, keys, values, row_start)
     rows, heads, dim = query.shape
+    new = (None, None, 0, 0)
+    if new_keys is not None:
+        new_keys, new_values = (_unit_last(t.to(keys.dtype)) for t in (new_keys, new_values))
+        if new_keys.stride() != new_values.stride():
+            new_values = new_values.contiguous()
+            new_keys = new_keys.contiguous()
+        new = (new_keys.data_ptr(), new_values.data_ptr(), new_keys.stride(0),
+               new_keys.stride(1))
     status = getattr(kernel(), DECODE[query.dtype])(
         *pointers, ends.data_ptr(), rows, heads, keys.shape[1], dim, keys.stride(0),
-        keys.stride(1), scale, window or 0, max_end)
+        keys.stride(1), scale, window or 0, max_end, *new)
     _check(status, "decode", query, keys)
     return out
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def attend_prompt(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row: int,
