@@ -166,3 +166,38 @@ def test_eviction_keeps_pinned_blocks_and_stops_at_the_first_block_that_does_not
     cache.insert(e, group, 0, pin_tokens=4 * BLOCK)  # pinned; d's plain blocks go first
     assert (held(a), held(d), held(e)) == (2, 0, 4)
     assert cache.stats.evictions == 2 + 4 + 4 + 4 and cache.bytes_held == cache.capacity_bytes
+
+
+@pytest.mark.parametrize("heads,dims", [((2, 2, 2), (4, 4, 4)), ((2, 1, 2), (4, 4, 8))])
+def test_inserted_blocks_hold_their_own_copy_of_each_layer(heads, dims):
+    """Every layer's keys and values of a row's new blocks, whatever it already held or
+    its layers' shapes (alike: copied out of one stacked view; differing: layer by
+    layer): equal to the row's slots, and sharing storage with neither the group nor
+    another block, so that evicting a block frees it."""
+    import torch
+
+    from worker_service.kv_groups import KVGroup, KVShape
+
+    shape = KVShape(heads, dims, heads, dims, torch.float32, torch.device("cpu"))
+    group = KVGroup(shape)
+    group.add_empty_row(0, 6 * BLOCK)
+    group.add_empty_row(1, 6 * BLOCK)
+    for t in group.keys + group.values:
+        t.copy_(torch.randn(t.shape))
+    cache = PrefixCache(shape, 64 * BLOCK * shape.bytes_per_token, BLOCK)
+    rng = random.Random(5)
+    tokens = [rng.randint(3, 999) for _ in range(5 * BLOCK + 3)]
+    cache.insert(tokens[:2 * BLOCK], group, 1)  # blocks 0-1 from row 1
+    cache.insert(tokens, group, 0)  # blocks 2-4 are new, from row 0
+    blocks, reused = cache.match(tokens)
+    assert reused == 5 * BLOCK and len(blocks) == 5
+    storages = {t.untyped_storage().data_ptr() for t in group.keys + group.values}
+    for b, block in enumerate(blocks):
+        row = 1 if b < 2 else 0
+        sl = slice(b * BLOCK, (b + 1) * BLOCK)
+        for layer in range(shape.num_layers):
+            assert torch.equal(block.keys[layer], group.keys[layer][row, :, sl])
+            assert torch.equal(block.values[layer], group.values[layer][row, :, sl])
+        own = {t.untyped_storage().data_ptr() for t in block.keys + block.values}
+        assert not own & storages
+        storages |= own
