@@ -115,10 +115,9 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_st
     rows, heads, dim = query.shape
     new = (None, None, 0, 0)
     if new_keys is not None:
-        new_keys, new_values = (_unit_last(t.to(keys.dtype)) for t in (new_keys, new_values))
-        if new_keys.stride() != new_values.stride():
-            new_values = new_values.contiguous()
-            new_keys = new_keys.contiguous()
+        new_keys, new_values = new_keys.to(keys.dtype), new_values.to(keys.dtype)
+        if new_keys.stride(-1) != 1 or new_keys.stride() != new_values.stride():
+            new_keys, new_values = new_keys.contiguous(), new_values.contiguous()
         new = (new_keys.data_ptr(), new_values.data_ptr(), new_keys.stride(0),
                new_keys.stride(1))
     status = getattr(kernel(), DECODE[query.dtype])(
@@ -126,10 +125,6 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_st
         keys.stride(1), scale, window or 0, max_end, *new)
     _check(status, "decode", query, keys)
     return out
-
-
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def attend_prompt(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row: int,
