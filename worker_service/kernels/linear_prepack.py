@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from worker_service.kernels import few_rows
+
 logger = logging.getLogger(__name__)
 
 # The row count oneDNN is told to expect: decoding steps have few rows, and large
@@ -35,19 +37,26 @@ class PrepackedLinear(nn.Module):
     """`linear` with its weight in oneDNN's blocked layout. `min_rows`: a product of fewer
     rows gets zero rows appended up to it (batch_invariance.py: oneDNN computes one row
     differently from two or more, and a row of a larger product independently of the
-    others)."""
+    others). `keep_plain`: the weight is also kept as it was, for few_rows.py's product of
+    one or two rows (bfloat16 on a CPU with AVX512-BF16), which reads it at memory speed."""
 
-    def __init__(self, linear: nn.Linear, min_rows: int = 1):
+    def __init__(self, linear: nn.Linear, min_rows: int = 1, keep_plain: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.min_rows = min_rows
         weight = linear.weight.detach()
         self.register_buffer("packed_weight",
                              torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT))
+        self.plain_weight = (weight.contiguous() if keep_plain and weight.dtype == torch.bfloat16
+                             else None)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(),
                                                                   requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain_weight is not None:
+            out = few_rows.linear(x, self.plain_weight, self.bias, self.out_features)
+            if out is not None:
+                return out
         rows = x.numel() // self.in_features
         if rows < self.min_rows:
             flat = x.reshape(rows, self.in_features)
@@ -111,10 +120,10 @@ def supported(model: nn.Module) -> bool:
             and runs(p.dtype))
 
 
-def prepack_linears(model: nn.Module, min_rows: int = 1) -> int:
+def prepack_linears(model: nn.Module, min_rows: int = 1, keep_plain: bool = False) -> int:
     """Swap every nn.Linear of `model` for a PrepackedLinear; returns how many."""
     swaps = [(parent, name, child) for parent in model.modules()
              for name, child in parent.named_children() if type(child) is nn.Linear]
     for parent, name, child in swaps:
-        setattr(parent, name, PrepackedLinear(child, min_rows))
+        setattr(parent, name, PrepackedLinear(child, min_rows, keep_plain))
     return len(swaps)
