@@ -84,3 +84,15 @@ def test_the_key_names_the_cpu_and_the_flags(setup, monkeypatch):
     assert native_build._cpu_identity()  # /proc/cpuinfo's model name and flags
     monkeypatch.setattr(native_build, "_cpu_identity", lambda: "another CPU")
     assert native_build._key(source, "cc", native_build.CFLAGS) != plain
+
+
+def test_every_kernel_source_ships_with_the_package():
+    """A non-editable install (the Docker image's) carries only the package data listed in
+    pyproject.toml, and a kernel whose source is missing silently falls back."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    kernels = Path(native_build.__file__).parent
+    listed = tomllib.loads((kernels.parents[1] / "pyproject.toml").read_text())[
+        "tool"]["setuptools"]["package-data"]["worker_service.kernels"]
+    assert sorted(listed) == sorted(p.name for p in kernels.iterdir()
+                                    if p.suffix in (".c", ".h"))
