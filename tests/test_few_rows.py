@@ -1,4 +1,4 @@
-"""The C product of one or two bfloat16 rows (kernels/few_rows.py) against float64 and
+"""The C product of one to three bfloat16 rows (kernels/few_rows.py) against float64 and
 oneDNN, and where the worker uses it."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _operands(rows: int, k: int, n: int, bias: bool, seed: int):
 
 @needs_library
 @pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (40, 24), (100, 7), (64, 3)])
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3])
 @pytest.mark.parametrize("bias", [False, True])
 def test_product_equals_float64_up_to_the_bfloat16_rounding(k, n, rows, bias):
     """Widths that are multiples of 64, of 32 only, and neither (the masked tail)."""
@@ -38,31 +38,32 @@ def test_product_equals_float64_up_to_the_bfloat16_rounding(k, n, rows, bias):
 
 
 @needs_library
-def test_a_row_has_the_same_bits_alone_and_beside_another():
-    x, w, b = _operands(2, 576, 3072, True, seed=3)
-    both = few_rows.linear(x, w, b, 3072)
-    assert torch.equal(few_rows.linear(x[:1], w, b, 3072), both[:1])
-    assert torch.equal(few_rows.linear(x[1:], w, b, 3072), both[1:])
-    # a strided input row (a slice of a wider tensor) reads the same values
+def test_a_row_has_the_same_bits_alone_and_beside_others():
+    x, w, b = _operands(3, 576, 3072, True, seed=3)
+    three = few_rows.linear(x, w, b, 3072)
+    for r in range(3):
+        assert torch.equal(few_rows.linear(x[r:r + 1], w, b, 3072), three[r:r + 1])
+    assert torch.equal(few_rows.linear(x[1:], w, b, 3072), three[1:])
+    # strided input rows (a slice of a wider tensor) read the same values
     wide = torch.cat([x, x], dim=1)[:, :576]
-    assert torch.equal(few_rows.linear(wide, w, b, 3072), both)
+    assert torch.equal(few_rows.linear(wide, w, b, 3072), three)
 
 
 @needs_library
 def test_more_rows_or_other_dtypes_are_left_to_onednn():
-    x, w, b = _operands(3, 64, 8, True, seed=4)
+    x, w, b = _operands(4, 64, 8, True, seed=4)
     assert few_rows.linear(x, w, b, 8) is None
     assert few_rows.linear(x[:1].float(), w, b, 8) is None
 
 
 @needs_library
 @pytest.mark.skipif(not linear_prepack.runs(torch.bfloat16), reason="no oneDNN bfloat16")
-def test_prepacked_linear_takes_the_c_product_for_one_or_two_rows_only():
+def test_prepacked_linear_takes_the_c_product_for_one_to_three_rows_only():
     linear = nn.Linear(96, 40, dtype=torch.bfloat16)
     plain = linear_prepack.PrepackedLinear(linear, keep_plain=True)
     packed = linear_prepack.PrepackedLinear(linear)
     assert packed.plain_weight is None
-    for rows in (1, 2):
+    for rows in (1, 2, 3):
         x = torch.randn(1, rows, 96).bfloat16()
         assert torch.equal(plain(x), few_rows.linear(x, linear.weight, linear.bias, 40))
     x = torch.randn(5, 96).bfloat16()

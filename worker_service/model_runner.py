@@ -160,7 +160,7 @@ class ModelRunner:
         sharded = bool(shard)
         if prepack and linear_prepack.supported(self.model):
             min_rows = batch_invariance.MIN_ROWS if batch_invariant else 1
-            # one- and two-row products at memory speed (few_rows.py); not under batch
+            # products of one to three rows at memory speed (few_rows.py); not under batch
             # invariance, whose rows must have one set of bits at every row count
             plain = (not sharded and not batch_invariant
                      and few_rows.keep_plain(self.model, cpu_dtype.available_memory()))
@@ -177,7 +177,7 @@ class ModelRunner:
             self.lm_head = self.model.get_output_embeddings()
             logger.info("prepacked the weights of %d linear layers for oneDNN%s%s%s", n,
                         " (this rank's shards)" if sharded else "",
-                        "; one- and two-row products over the plain weights (C)"
+                        "; products of one to three rows over the plain weights (C)"
                         if plain else "",
                         f"; q, k and v stacked into one product in {qkv} layers, gate and "
                         f"up in {gate_up}" if qkv or gate_up else "")

@@ -1,8 +1,8 @@
-/* Linear products of one or two rows with bfloat16 activations and weights, on CPUs with
- * AVX512-BF16.
+/* Linear products of one to three rows with bfloat16 activations and weights, on CPUs
+ * with AVX512-BF16.
  *
  * Built and loaded at run time by few_rows.py (plain C, no torch headers). A decoding
- * step of one or two rows costs its weights' bytes: oneDNN's prepacked product streamed
+ * step of a few rows costs its weights' bytes: oneDNN's prepacked product streamed
  * SmolLM2's layers from memory at 11-15 GB/s there, this loop at about 22 (of 25-30).
  * Threads split the weight rows; each weight row is read once, front to back, against
  * every input row, with the AVX512-BF16 dot instruction (exact bfloat16 products, float32
@@ -12,7 +12,7 @@
 
 #include "bf16.h"
 
-#define MAX_ROWS 2
+#define MAX_ROWS 3
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -58,12 +58,16 @@ int linear_few_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b
         return -1;
 #pragma omp parallel for schedule(static) if (n * k >= 65536)
     for (int64_t j = 0; j < n; j++) {
-        const uint16_t *xr[MAX_ROWS] = {x, x + (rows > 1 ? xs : 0)};
+        const uint16_t *xr[MAX_ROWS];
+        for (int64_t r = 0; r < MAX_ROWS; r++)
+            xr[r] = x + (r < rows ? r : 0) * xs;
         float s[MAX_ROWS];
-        if (rows == 2)
-            dots(xr, w + j * k, k, 2, s);
-        else
-            dots(xr, w + j * k, k, 1, s);
+        /* the row count as a constant in each call, so the sums stay in registers */
+        switch (rows) {
+        case 3: dots(xr, w + j * k, k, 3, s); break;
+        case 2: dots(xr, w + j * k, k, 2, s); break;
+        default: dots(xr, w + j * k, k, 1, s); break;
+        }
         const float b = bias ? bf16_to_float(bias[j]) : 0.f;
         for (int64_t r = 0; r < rows; r++)
             y[r * n + j] = float_to_bf16(s[r] + b);

@@ -1,17 +1,19 @@
-"""bfloat16 products of one or two rows at memory speed (`few_rows.c`), on CPUs with
+"""bfloat16 products of one to three rows at memory speed (`few_rows.c`), on CPUs with
 AVX512-BF16.
 
-A decoding step of one or two rows is all weight reads. oneDNN's prepacked product read
+A decoding step of a few rows is all weight reads. oneDNN's prepacked product read
 SmolLM2's 30 layers (212 MB of weights, out of cache) at 11-15 GB/s on this project's
-EPYC, 2 threads; the C loop at about 22 GB/s, 1.4-2x faster, level at 4 rows and slower
-beyond (docs/benchmarks.md). It needs the weight in its plain [out, in] layout, which
-oneDNN's blocked copy replaces, so `PrepackedLinear` keeps the plain weight beside the
-packed one where `keep_plain` allows it (the memory of the linear weights twice over).
+EPYC, 2 threads; the C loop at about 22 GB/s at one or two rows. Whole decoding steps of
+SmolLM2, qwen2-gqa and the mid model: 1.44-1.50x faster at one and two rows, 1.18-1.28x at
+three, mixed at four (0.92-1.11x), so it stops at three (docs/benchmarks.md). It needs the
+weight in its plain [out, in] layout, which oneDNN's blocked copy replaces, so
+`PrepackedLinear` keeps the plain weight beside the packed one where `keep_plain` allows
+it (the memory of the linear weights twice over).
 
 Each output depends on its own input row and weight row only, in a fixed order, so a
-row's result is the same at one row and at two; it differs from oneDNN's in the last bits
-of some values (another order of float32 sums), so batch-invariant mode, which needs a
-row's bits to be the same at every row count, does not use it.
+row's result is the same at one, two or three rows; it differs from oneDNN's in the last
+bits of some values (another order of float32 sums), so batch-invariant mode, which needs
+a row's bits to be the same at every row count, does not use it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ SOURCE = Path(__file__).with_name("few_rows.c")
 _P, _I = native_build.P, native_build.I64
 FUNCTIONS = {"linear_few_rows_bf16": ([_P, _P, _P, _P, _I, _I, _I, _I], ctypes.c_int),
              "few_rows_vectorized": ([], ctypes.c_int)}
-MAX_ROWS = 2  # MAX_ROWS in few_rows.c; measured level with oneDNN at 4 rows
+MAX_ROWS = 3  # MAX_ROWS in few_rows.c
 # The plain weights may take at most this share of the memory available at load.
 MEMORY_SHARE = 0.25
 
@@ -57,7 +59,7 @@ def keep_plain(model: torch.nn.Module, available: int | None) -> bool:
     if library() is None:
         return False
     if available is None or size > MEMORY_SHARE * available:
-        logger.info("one- and two-row products run oneDNN: the plain linear weights (%d MB) "
+        logger.info("products of one to three rows run oneDNN: the plain linear weights (%d MB) "
                     "would take more than %d%% of the available memory", size >> 20,
                     round(MEMORY_SHARE * 100))
         return False

@@ -38,7 +38,7 @@ class PrepackedLinear(nn.Module):
     rows gets zero rows appended up to it (batch_invariance.py: oneDNN computes one row
     differently from two or more, and a row of a larger product independently of the
     others). `keep_plain`: the weight is also kept as it was, for few_rows.py's product of
-    one or two rows (bfloat16 on a CPU with AVX512-BF16), which reads it at memory speed."""
+    one to three rows (bfloat16 on a CPU with AVX512-BF16), which reads it at memory speed."""
 
     def __init__(self, linear: nn.Linear, min_rows: int = 1, keep_plain: bool = False):
         super().__init__()
