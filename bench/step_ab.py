@@ -1,13 +1,14 @@
 """The worker's step with and without one of its CPU fast paths, in one process.
 
-    python -m bench.step_ab MODEL_DIR [--change silu|stack] [--threads 1]
+    python -m bench.step_ab MODEL_DIR [--change silu|stack|dpbf16] [--threads 1]
                             [--rounds 5] [--rows 1,8,32,64]
                             [--prefills 1x2000,4x500,16x128]
 
 --change silu: the one-pass SiLU gate product (kernels/fused_layers.py) against
 transformers' eager `act_fn(gate) * up`, on one runner. --change stack: the stacked q/k/v
 and gate/up products (kernels/fused_projections.py) against separate products, on two
-runners of the same model. Each round times every step once with the fast path and once without, which
+runners of the same model. --change dpbf16: the C bfloat16 product over pair-packed
+weights (kernels/dpbf16_linear.py) against oneDNN's prepacked one, on two runners. Each round times every step once with the fast path and once without, which
 goes first alternating between rounds; prints the median ms of each and the median and
 range of the per-round ratios (without / with: above 1 means the fast path is faster),
 with the load average.
@@ -83,19 +84,37 @@ def _stack_variants(model: str):
     return (lambda on: fast if on else plain), f"{stacked} stacked products"
 
 
+def _dpbf16_variants(model: str):
+    """Two runners of the model, its linear layers on the C product and on oneDNN."""
+    from worker_service.kernels import dpbf16_linear, linear_prepack
+    from worker_service.model_runner import ModelRunner
+
+    fast = ModelRunner(model, dtype="bfloat16")
+    in_c = sum(isinstance(m, linear_prepack.PrepackedLinear) and m.c_product
+               for m in fast.model.modules())
+    assert in_c, "no layer takes the C product here (no AVX512-BF16, or switched off)"
+    library = dpbf16_linear.library
+    dpbf16_linear.library = lambda: None
+    try:
+        onednn = ModelRunner(model, dtype="bfloat16")
+    finally:
+        dpbf16_linear.library = library
+    return (lambda on: fast if on else onednn), f"{in_c} products in C against oneDNN"
+
+
 def main() -> None:
     import torch
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
-    p.add_argument("--change", choices=("silu", "stack"), default="silu")
+    p.add_argument("--change", choices=tuple(VARIANTS), default="silu")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--rows", default="1,8,32,64")
     p.add_argument("--prefills", default="1x2000,4x500,16x128")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    use, what = (_silu_variants if a.change == "silu" else _stack_variants)(a.model)
+    use, what = VARIANTS[a.change](a.model)
     runner = use(True)
     rows = [int(x) for x in a.rows.split(",") if x]
     cases = [(n, mk, lr) for n, mk, _, lr, _ in _cases(runner, rows, [])]
@@ -120,6 +139,8 @@ def main() -> None:
               f"{statistics.median(ratios):.3f} ({ratios[0]:.2f}-{ratios[-1]:.2f})  "
               f"load {os.getloadavg()[0]:.2f}", flush=True)
 
+
+VARIANTS = {"silu": _silu_variants, "stack": _stack_variants, "dpbf16": _dpbf16_variants}
 
 if __name__ == "__main__":
     main()

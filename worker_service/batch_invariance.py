@@ -6,14 +6,17 @@ CPU (AMD EPYC, AVX512-BF16; torch 2.13 with oneDNN), bfloat16:
 
 - attention (kernels/native_attention.c), RMSNorm and rotary (fused_layers.c) loop over
   one row, or one (row, head) pair, in a fixed order: independent of the batch.
-- oneDNN's linear products (prepacked weights) give every row the same bits whatever the
-  row count M and the other rows, for every M from 2 to 4096 tried, but a product of one
-  row (M = 1) takes another path: for a [1536] x [1536, 576] product 50 of 600 rows
-  differed from the same rows in a batch. A request decoding alone is exactly that M = 1.
+- the linear products: on CPUs with AVX512-BF16 they run the C loop of
+  kernels/dpbf16_linear.c, which sums each output of each row in one fixed order whatever
+  the row count. Elsewhere oneDNN's (prepacked weights) give every row the same bits
+  whatever the row count M and the other rows, for every M from 2 to 4096 tried, but a
+  product of one row (M = 1) takes another path: for a [1536] x [1536, 576] product 50 of
+  600 rows differed from the same rows in a batch. A request decoding alone is exactly
+  that M = 1.
 
-So batch-invariant mode pads every product of one row with a zero row (linear_prepack's
-`min_rows`), at the price of computing two rows where one would do, only when one row is
-all the step has. The worker checks at load that this holds on its CPU for its model
+So batch-invariant mode pads every oneDNN product of one row with a zero row
+(linear_prepack's `min_rows`), at the price of computing two rows where one would do,
+only when one row is all the step has. The worker checks at load that this holds on its CPU for its model
 and refuses to start if any bit differs: `check` multiplies random rows alone and
 together through every linear shape of the model, and computes a probe prompt's logits
 alone and beside two other prompts, at its prefill and four decoding steps.
@@ -101,7 +104,7 @@ def _linear_rows(model: torch.nn.Module, rows: int = 64) -> str | None:
                 return (f"a [{shape[0]} -> {shape[1]}] linear product gives a row other bits "
                         f"alone than beside {rows - 1} others")
     if not seen:
-        return "its linear layers are not oneDNN-prepacked nn.Linear modules"
+        return "its linear layers are not prepacked nn.Linear modules"
     return None
 
 

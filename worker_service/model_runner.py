@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from seqserve_common.model_source import gguf_kwargs, model_files
 from worker_service import (attention, batch_invariance, cpu_dtype, layer_loop,
                             tensor_parallel)
-from worker_service.kernels import (few_rows, fused_layers, fused_projections,
+from worker_service.kernels import (dpbf16_linear, fused_layers, fused_projections,
                                     linear_prepack, native_attention, sharded_prepack)
 from worker_service.fallback import OwnAttention
 from worker_service.kv_groups import KVGroup, KVShape
@@ -160,25 +160,25 @@ class ModelRunner:
         sharded = bool(shard)
         if prepack and linear_prepack.supported(self.model):
             min_rows = batch_invariance.MIN_ROWS if batch_invariant else 1
-            # products of one to three rows at memory speed (few_rows.py); not under batch
-            # invariance, whose rows must have one set of bits at every row count
-            plain = (not sharded and not batch_invariant
-                     and few_rows.keep_plain(self.model, cpu_dtype.available_memory()))
+            # bfloat16 products in C where the CPU has AVX512-BF16 (dpbf16_linear.py);
+            # tensor-parallel shards keep oneDNN (sharded_prepack.py)
+            c_product = not sharded and dpbf16_linear.library() is not None
 
             def prepacked(linear):
-                return linear_prepack.PrepackedLinear(linear, min_rows, plain)
+                return linear_prepack.PrepackedLinear(linear, min_rows, c_product)
             qkv = 0 if sharded else fused_projections.fuse_qkv(self.model, prepacked)
             # gate and up stacked only for the C SiLU product, which reads both halves
             gate_up = (0 if sharded or not fused_layers.mlp_product_builds() else
                        fused_projections.fuse_gate_up(self.model, prepacked))
             n = (sharded_prepack.prepack_sharded_linears(self.model) if sharded else
-                 linear_prepack.prepack_linears(self.model, min_rows, plain)
+                 linear_prepack.prepack_linears(self.model, min_rows, c_product)
                  + 3 * qkv + 2 * gate_up)
             self.lm_head = self.model.get_output_embeddings()
-            logger.info("prepacked the weights of %d linear layers for oneDNN%s%s%s", n,
-                        " (this rank's shards)" if sharded else "",
-                        "; products of one to three rows over the plain weights (C)"
-                        if plain else "",
+            in_c = sum(1 for m in self.model.modules()
+                       if isinstance(m, linear_prepack.PrepackedLinear) and m.c_product)
+            logger.info("prepacked the weights of %d linear layers%s: %d for the C bfloat16 "
+                        "product, the others for oneDNN%s", n,
+                        " (this rank's shards)" if sharded else "", in_c,
                         f"; q, k and v stacked into one product in {qkv} layers, gate and "
                         f"up in {gate_up}" if qkv or gate_up else "")
         norms, rotary = (0, 0) if sharded else fused_layers.install(self.model)

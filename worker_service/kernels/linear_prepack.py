@@ -5,7 +5,8 @@ blocked layout, on every call. With few rows (a decoding step) that reorder is a
 part of the call: prepacking once at load time made a [4, 768] x [768, 3072] product
 about 1.8x faster and [30, 768] x [768, 3072] about 1.15x on this project's CPUs, with
 results identical to F.linear. The packed weight replaces the original, so memory does
-not grow.
+not grow. On CPUs with AVX512-BF16, bfloat16 weights are packed for the C product of
+dpbf16_linear.py instead, which beats oneDNN at every row count there.
 
 Whether oneDNN can run a dtype depends on the CPU: float16 needs AVX512-FP16 or
 AVX-NE-CONVERT (Sapphire Rapids, Granite Rapids, recent client cores; an AMD EPYC with
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from worker_service.kernels import few_rows
+from worker_service.kernels import dpbf16_linear
 
 logger = logging.getLogger(__name__)
 
@@ -34,29 +35,27 @@ BATCH_HINT = 1
 
 
 class PrepackedLinear(nn.Module):
-    """`linear` with its weight in oneDNN's blocked layout. `min_rows`: a product of fewer
-    rows gets zero rows appended up to it (batch_invariance.py: oneDNN computes one row
-    differently from two or more, and a row of a larger product independently of the
-    others). `keep_plain`: the weight is also kept as it was, for few_rows.py's product of
-    one to three rows (bfloat16 on a CPU with AVX512-BF16), which reads it at memory speed."""
+    """`linear` with its weight packed once at load: for the C product of dpbf16_linear.py
+    where `c_product` is set and it takes the weight (bfloat16, an even input width, a CPU
+    with AVX512-BF16), else in oneDNN's blocked layout. `min_rows` (oneDNN only): a product
+    of fewer rows gets zero rows appended up to it (batch_invariance.py: oneDNN computes
+    one row differently from two or more, and a row of a larger product independently of
+    the others; the C product computes every row alike)."""
 
-    def __init__(self, linear: nn.Linear, min_rows: int = 1, keep_plain: bool = False):
+    def __init__(self, linear: nn.Linear, min_rows: int = 1, c_product: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.min_rows = min_rows
         weight = linear.weight.detach()
-        self.register_buffer("packed_weight",
-                             torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT))
-        self.plain_weight = (weight.contiguous() if keep_plain and weight.dtype == torch.bfloat16
-                             else None)
+        self.c_product = c_product and dpbf16_linear.takes(weight)
+        self.register_buffer("packed_weight", dpbf16_linear.pack(weight) if self.c_product
+                             else torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(),
                                                                   requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.plain_weight is not None:
-            out = few_rows.linear(x, self.plain_weight, self.bias, self.out_features)
-            if out is not None:
-                return out
+        if self.c_product:
+            return dpbf16_linear.linear(x, self.packed_weight, self.bias, self.out_features)
         rows = x.numel() // self.in_features
         if rows < self.min_rows:
             flat = x.reshape(rows, self.in_features)
@@ -120,10 +119,10 @@ def supported(model: nn.Module) -> bool:
             and runs(p.dtype))
 
 
-def prepack_linears(model: nn.Module, min_rows: int = 1, keep_plain: bool = False) -> int:
+def prepack_linears(model: nn.Module, min_rows: int = 1, c_product: bool = False) -> int:
     """Swap every nn.Linear of `model` for a PrepackedLinear; returns how many."""
     swaps = [(parent, name, child) for parent in model.modules()
              for name, child in parent.named_children() if type(child) is nn.Linear]
     for parent, name, child in swaps:
-        setattr(parent, name, PrepackedLinear(child, min_rows, keep_plain))
+        setattr(parent, name, PrepackedLinear(child, min_rows, c_product))
     return len(swaps)

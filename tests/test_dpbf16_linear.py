@@ -1,0 +1,142 @@
+"""The C bfloat16 product over pair-packed weights (kernels/dpbf16_linear.py) against float64
+and oneDNN, and where the worker uses it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from worker_service.kernels import dpbf16_linear, linear_prepack
+
+needs_library = pytest.mark.skipif(dpbf16_linear.library() is None,
+                                   reason="no AVX512-BF16 here: every product runs oneDNN")
+
+
+def _operands(rows: int, k: int, n: int, bias: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    return x, w, b
+
+
+def _product(x, w, b):
+    return dpbf16_linear.linear(x, dpbf16_linear.pack(w), b, w.shape[0])
+
+
+def test_pack_puts_each_pair_of_inputs_of_16_columns_together():
+    w = torch.arange(40 * 6, dtype=torch.float32).reshape(40, 6).bfloat16()
+    p = dpbf16_linear.pack(w)
+    assert p.shape == (3, 3, 16, 2)  # 40 columns -> 3 blocks (8 padding columns), 3 pairs
+    for j in range(40):
+        for i in range(6):
+            assert p[j // 16, i // 2, j % 16, i % 2] == w[j, i]
+    assert (p[2, :, 8:] == 0).all()
+
+
+@needs_library
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (40, 24), (100, 7), (2, 3),
+                                 (64, 70)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_product_equals_float64_up_to_the_bfloat16_rounding(k, n, rows, bias):
+    """Row counts below, at and past a register tile (6 rows); widths that fill whole
+    16-column blocks and tiles of 4 blocks, and ones that end in a part block."""
+    x, w, b = _operands(rows, k, n, bias, seed=k * n + rows)
+    got = _product(x, w, b)
+    want = x.double() @ w.double().T + (0 if b is None else b.double())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # float32 sums of exact products, one rounding to bfloat16 (2^-8 relative)
+    assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-3).all()
+    oned = nn.functional.linear(x, w, b)
+    assert (got.float() - oned.float()).abs().max() <= oned.float().abs().max() * 2 ** -7
+
+
+@needs_library
+def test_a_row_has_the_same_bits_at_every_row_count():
+    x, w, b = _operands(40, 576, 3072, True, seed=3)
+    together = _product(x, w, b)
+    for r in (0, 5, 6, 17, 39):
+        assert torch.equal(_product(x[r:r + 1], w, b), together[r:r + 1])
+    for start, stop in ((1, 40), (3, 10), (30, 37)):
+        assert torch.equal(_product(x[start:stop], w, b), together[start:stop])
+    # strided input rows (a slice of a wider tensor) and leading dimensions
+    wide = torch.cat([x, x], dim=1)[:, :576]
+    assert torch.equal(_product(wide, w, b), together)
+    assert torch.equal(_product(x.view(4, 10, 576), w, b), together.view(4, 10, 3072))
+
+
+@needs_library
+def test_odd_widths_other_dtypes_and_no_rows():
+    assert not dpbf16_linear.takes(torch.zeros(8, 7, dtype=torch.bfloat16))
+    assert not dpbf16_linear.takes(torch.zeros(8, 8))
+    assert dpbf16_linear.takes(torch.zeros(8, 8, dtype=torch.bfloat16))
+    x, w, b = _operands(3, 64, 8, True, seed=4)
+    with pytest.raises(TypeError, match="float32 inputs"):
+        _product(x.float(), w, b)
+    assert _product(x[:0], w, b).shape == (0, 8)
+
+
+@needs_library
+@pytest.mark.skipif(not linear_prepack.runs(torch.bfloat16), reason="no oneDNN bfloat16")
+def test_prepacked_linear_takes_the_c_product_where_asked_and_possible():
+    linear = nn.Linear(96, 40, dtype=torch.bfloat16)
+    in_c = linear_prepack.PrepackedLinear(linear, c_product=True)
+    onednn = linear_prepack.PrepackedLinear(linear)
+    assert in_c.c_product and not onednn.c_product
+    for rows in (1, 2, 7, 64):
+        x = torch.randn(1, rows, 96).bfloat16()
+        assert torch.equal(in_c(x), _product(x, linear.weight, linear.bias))
+        assert (in_c(x).float() - onednn(x).float()).abs().max() <= 0.05
+    odd = linear_prepack.PrepackedLinear(nn.Linear(95, 40, dtype=torch.bfloat16),
+                                         c_product=True)
+    assert not odd.c_product  # the loop reads pairs: oneDNN takes it
+
+
+@needs_library
+@pytest.mark.skipif(not linear_prepack.runs(torch.bfloat16), reason="no oneDNN bfloat16")
+def test_the_worker_runs_the_c_product_and_generates_the_plain_forwards_tokens(tmp_path,
+                                                                               monkeypatch):
+    """Every linear layer of a bfloat16 worker takes the C product (batch-invariant mode
+    too: it needs no padding row), and greedy decoding gives the tokens of the model's
+    forward without prepacking; with the switch off, oneDNN's."""
+    from worker_service.fixtures import make_model
+    from worker_service.model_runner import ModelRunner
+    from worker_service import batch_invariance
+
+    model = make_model(tmp_path / "m", arch="llama", size="tiny", dtype="bfloat16", seed=1)
+
+    def layers(runner):
+        return [m for m in runner.model.modules()
+                if isinstance(m, linear_prepack.PrepackedLinear)]
+
+    runner = ModelRunner(str(model), dtype="bfloat16")
+    assert layers(runner) and all(m.c_product for m in layers(runner))
+    plain = ModelRunner(str(model), dtype="bfloat16", prepack=False)
+    prompt = [(i * 7919 + 11) % 1000 + 3 for i in range(37)]
+    assert _greedy(runner, prompt, 16) == _greedy(plain, prompt, 16)
+    invariant = ModelRunner(str(model), dtype="bfloat16", batch_invariant=True)
+    assert all(m.c_product for m in layers(invariant))
+    assert batch_invariance.check(invariant) is None
+    monkeypatch.setattr(dpbf16_linear, "library", lambda: None)
+    assert not any(m.c_product for m in layers(ModelRunner(str(model), dtype="bfloat16")))
+
+
+def _greedy(runner, prompt: list[int], steps: int) -> list[int]:
+    from worker_service.kv_groups import KVGroup
+    from worker_service.packed_batch import PackedBatch
+
+    group = KVGroup(runner.kv_shape)
+    group.add_empty_row(0, len(prompt) + steps)
+    batch = PackedBatch(runner.device, runner.layer_attention)
+    batch.add_row(group, 0, prompt, 0)
+    with torch.inference_mode():
+        out = [int(runner.logits(runner.forward(batch)[-1:]).argmax())]
+        group.fill(0, len(prompt))
+        for _ in range(steps - 1):
+            batch = PackedBatch(runner.device, runner.layer_attention)
+            batch.add_decode(group, 0, 1, [out[-1]])
+            out.append(int(runner.logits(runner.forward(batch)).argmax()))
+            group.advance(0, 1)
+    return out

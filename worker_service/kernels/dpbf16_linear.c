@@ -1,0 +1,129 @@
+/* bfloat16 linear products over weights packed in pairs, on CPUs with AVX512-BF16.
+ *
+ * Built and loaded at run time by dpbf16_linear.py (plain C, no torch headers). The
+ * weight [n, k] is packed once into blocks of 16 output columns; within a block, the
+ * 64 bytes of each pair of input positions (kp) hold the 16 columns' two weights:
+ *
+ *     packed[block][kp][column][t] = w[16 * block + column][2 * kp + t]
+ *
+ * so one 512-bit load is the right operand of the dot instruction (vdpbf16ps), whose
+ * left operand is an input row's pair (x[2kp], x[2kp + 1]) broadcast to the 16 lanes.
+ * A register tile holds MR rows x NB blocks of float32 sums; each thread takes one
+ * contiguous range of blocks and streams their weights front to back once, every row tile
+ * reusing the block group's weights from cache. No horizontal sums: a lane ends as one
+ * output.
+ *
+ * Each output is its input row's pairs dotted with its weight column in the order of kp,
+ * exact bfloat16 products summed in float32, plus the bias, rounded once to bfloat16
+ * (to nearest even): the same bits whatever the row count, the tile or the thread that
+ * computes it (batch invariant by construction).
+ */
+#include <stdint.h>
+
+#include "bf16.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define MR 6 /* rows of a register tile */
+#define NB 4 /* 16-column blocks of a register tile: MR x NB = 24 of the 32 registers */
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+int dpbf16_vectorized(void) { return 1; }
+
+/* Rows [0, mr) of x times blocks [0, nbk) of p (k2 pairs each) into y's columns
+ * col0.. (mr and nbk constants where inlined, so the sums stay in registers). */
+static inline __attribute__((always_inline)) void
+tile(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t k2, const int mr,
+     const int nbk, const uint16_t *bias, uint16_t *y, int64_t n, int64_t col0) {
+    __m512 acc[MR][NB];
+    for (int m = 0; m < mr; m++)
+        for (int b = 0; b < nbk; b++)
+            acc[m][b] = _mm512_setzero_ps();
+    const int64_t block = k2 * 32; /* bfloat16 values in one packed block */
+    for (int64_t kp = 0; kp < k2; kp++) {
+        __m512bh w[NB];
+        for (int b = 0; b < nbk; b++)
+            w[b] = (__m512bh)_mm512_loadu_si512(p + b * block + kp * 32);
+        for (int m = 0; m < mr; m++) {
+            int32_t pair;
+            memcpy(&pair, x + m * xs + 2 * kp, sizeof pair);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            for (int b = 0; b < nbk; b++)
+                acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xv, w[b]);
+        }
+    }
+    for (int b = 0; b < nbk; b++) {
+        const int64_t c = col0 + b * 16, left = n - c;
+        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        __m512 bv = _mm512_setzero_ps();
+        if (bias)
+            bv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c)), 16));
+        for (int m = 0; m < mr; m++)
+            _mm256_mask_storeu_epi16(y + m * n + c, mask,
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][b], bv)));
+    }
+}
+
+#define TILE_ROWS(MRV)                                                                  \
+    case MRV:                                                                           \
+        switch (nbk) {                                                                  \
+        case 4: tile(xr, xs, pb, k2, MRV, 4, bias, yr, n, col0); break;                 \
+        case 3: tile(xr, xs, pb, k2, MRV, 3, bias, yr, n, col0); break;                 \
+        case 2: tile(xr, xs, pb, k2, MRV, 2, bias, yr, n, col0); break;                 \
+        default: tile(xr, xs, pb, k2, MRV, 1, bias, yr, n, col0); break;                \
+        }                                                                               \
+        break;
+
+/* y[m, j] = bfloat16(sum_i x[m, i] * w[j, i] + bias[j]): x bfloat16 [rows, k] with row
+ * stride xs, p the packed w (n rounded up to 16 columns, the extra ones zero), bias
+ * bfloat16 [n] or NULL, y bfloat16 [rows, n] contiguous. Returns 0, or -1 for an odd k
+ * or no rows. */
+int linear_dpbf16(const uint16_t *x, const uint16_t *p, const uint16_t *bias, uint16_t *y,
+                  int64_t rows, int64_t n, int64_t k, int64_t xs) {
+    if (rows < 1 || k < 2 || k % 2)
+        return -1;
+    const int64_t k2 = k / 2, blocks = (n + 15) / 16;
+#pragma omp parallel if (rows * n * k >= 65536)
+    {
+        int64_t t = 0, threads = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        threads = omp_get_num_threads();
+#endif
+        const int64_t lo = blocks * t / threads, hi = blocks * (t + 1) / threads;
+        for (int64_t b0 = lo; b0 < hi; b0 += NB) {
+            const int nbk = (int)(hi - b0 < NB ? hi - b0 : NB);
+            const uint16_t *pb = p + b0 * k2 * 32;
+            const int64_t col0 = b0 * 16;
+            for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+                const int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
+                const uint16_t *xr = x + r0 * xs;
+                uint16_t *yr = y + r0 * n;
+                switch (mr) {
+                    TILE_ROWS(6)
+                    TILE_ROWS(5)
+                    TILE_ROWS(4)
+                    TILE_ROWS(3)
+                    TILE_ROWS(2)
+                    TILE_ROWS(1)
+                }
+            }
+        }
+    }
+    return 0;
+}
+#else
+/* Without AVX512-BF16 dpbf16_linear.py does not use this library. */
+int dpbf16_vectorized(void) { return 0; }
+
+int linear_dpbf16(const uint16_t *x, const uint16_t *p, const uint16_t *bias, uint16_t *y,
+                  int64_t rows, int64_t n, int64_t k, int64_t xs) {
+    (void)x, (void)p, (void)bias, (void)y, (void)rows, (void)n, (void)k, (void)xs;
+    return -1;
+}
+#endif
