@@ -2,8 +2,10 @@
 linear shapes and row counts, and memory bandwidth.
 
 GEMM: for each (K, N) of the model and each M of a grid (decode batches up to prefill
-chunks), a [M, K] x [K, N] bfloat16 product, timed two ways, the faster counting: `F.linear`
-and oneDNN's prepacked product (what seqserve's worker runs on CPU, where oneDNN has it).
+chunks), a [M, K] x [K, N] bfloat16 product, timed each way this machine has, the fastest
+counting: `F.linear`, oneDNN's prepacked product, and the C product over pair-packed weights
+on CPUs with AVX512-BF16 (what seqserve's worker runs on CPU: the last where it runs, else
+oneDNN's).
 Each is the fastest of `repeats` timed loops of at least `min_time_s`: a peak, the least
 disturbed loop. The weight stays in cache between calls (up to the L3's size), so this is
 the arithmetic side; the floor adds the weights' streaming from memory at the measured
@@ -47,8 +49,8 @@ def _best_loop(fn: Callable[[], object], min_time_s: float, repeats: int) -> flo
 
 
 def gemm_candidates(x, w) -> dict[str, Callable[[], object]]:
-    """The bfloat16 product paths of this torch build: F.linear, and oneDNN's prepacked
-    linear where it runs."""
+    """The bfloat16 product paths here: F.linear, oneDNN's prepacked linear where it runs,
+    and the worker's C product (kernels/dpbf16_linear.py) where it runs."""
     import torch
     import torch.nn.functional as F
 
@@ -60,6 +62,11 @@ def gemm_candidates(x, w) -> dict[str, Callable[[], object]]:
             x, packed, None, "none", [], "")
     except (AttributeError, RuntimeError) as exc:
         logger.debug("no prepacked oneDNN product here: %s", exc)
+    from worker_service.kernels import dpbf16_linear
+
+    if dpbf16_linear.takes(w):
+        pair_packed = dpbf16_linear.pack(w)
+        out["c_dpbf16"] = lambda: dpbf16_linear.linear(x, pair_packed, None, w.shape[0])
     return out
 
 
