@@ -7,15 +7,16 @@ import sys
 from typing import Sequence
 
 from bench import length_prediction, policy_sim_report
-from bench.commands import (all_figures, ceiling, matrix, offline_batch, partition, peers,
-                            policies, prefix, replicas, scheduler_cost, serve, sweep,
-                            throughput)
+from bench.commands import (all_figures, ceiling, matrix, matrix_median, offline_batch,
+                            partition, peers, policies, prefix, replicas, scheduler_cost,
+                            serve, sweep, throughput)
 from bench.commands.common import set_command_line
 from bench.parser import COMMANDS, build_parser
 
 HANDLERS = {"throughput": throughput.run, "sweep": sweep.run, "partition": partition.run,
             "prefix": prefix.run, "serve": serve.run, "peers": peers.run,
-            "ceiling": ceiling.run, "matrix": matrix.run, "all": all_figures.run,
+            "ceiling": ceiling.run, "matrix": matrix.run, "matrix-median": matrix_median.run,
+            "all": all_figures.run,
             "scheduler-cost": scheduler_cost.run, "replicas": replicas.run,
             "policies": policies.run, "offline-batch": offline_batch.run,
             "length-prediction": length_prediction.run, "policy-sim": policy_sim_report.run}

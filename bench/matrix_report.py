@@ -4,6 +4,7 @@ fraction of the floor; the knees; the measured machine rates. Pure: dicts in, ma
 
 from __future__ import annotations
 
+import statistics
 from typing import Sequence
 
 from bench.report import f, md_table, ratio
@@ -110,9 +111,66 @@ def matrix_markdown(result: dict) -> str:
         parts += [f"Machine rates: memory bandwidth {machine['bandwidth'] / 1e9:.1f} GB/s "
                   f"(copy {machine['memory']['copy_bytes_per_s'] / 1e9:.1f}, read "
                   f"{machine['memory']['read_bytes_per_s'] / 1e9:.1f}); bfloat16 GEMM "
-                  f"GFLOP/s ({machine['threads']} threads, fastest of F.linear and oneDNN "
-                  f"prepacked):", rates_table(machine)]
+                  f"GFLOP/s ({machine['threads']} threads, fastest of F.linear, oneDNN "
+                  f"prepacked and the worker's C product where it runs):",
+                  rates_table(machine)]
     extra = notes(cells, result.get("vllm_skipped", {}))
     if extra:
         parts.append("Skipped:\n" + "\n".join(extra))
     return "\n\n".join(parts)
+
+
+MEDIAN_HEADER = ["model", "trace", "arrivals", "seqserve / vLLM, median (runs)",
+                 "seqserve tok/s median", "vLLM tok/s median",
+                 "TTFT p99 ms seqserve / vLLM (medians)", "ITL p99 ms seqserve / vLLM (medians)",
+                 "% of floor seqserve / vLLM (medians)"]
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None and v == v]  # not NaN
+    return statistics.median(known) if known else None
+
+
+def median_table(results: Sequence[dict]) -> str:
+    """One row per (model, trace, arrivals) found in every run: the median over the runs
+    of seqserve / vLLM output tok/s (each run's ratio listed), of each system's tok/s, p99
+    TTFT, p99 ITL and fraction of the floor. Poisson rows pair by their order within the
+    cell (each run sets its own rates from its own all-at-once rate)."""
+    def points(result: dict) -> dict[tuple[str, str, int], dict]:
+        return {(c["model"], c["trace"], i): (c, p) for c in result["cells"]
+                for i, p in enumerate(c["points"])}
+
+    runs = [points(r) for r in results]
+    rows = []
+    for key in runs[0]:
+        if not all(key in run for run in runs):
+            continue
+        seq = [run[key][1].get("seqserve") for run in runs]
+        vllm = [run[key][1].get("vllm") for run in runs]
+        vllm = [None if v and "skipped" in v else v for v in vllm]
+        ratios = [ratio(_tput(a), _tput(b)) for a, b in zip(seq, vllm)]
+
+        def med(systems, metric):
+            return _median([(s or {}).get(metric, {}).get("p99_ms") for s in systems])
+
+        floors = {name: _median([floor_fraction(run[key][1], name) for run in runs])
+                  for name in ("seqserve", "vllm")}
+        label = runs[0][key][1]["label"]
+        if label != "all at once":
+            label = f"Poisson {runs[0][key][1].get('fraction'):g}x"
+        rows.append([key[0], key[1], label,
+                     f"{f(_median(ratios), 2)} ({', '.join(f(r, 2) for r in ratios)})",
+                     f(_median([_tput(s) for s in seq])), f(_median([_tput(v) for v in vllm])),
+                     f"{f(med(seq, 'ttft'), 0)} / {f(med(vllm, 'ttft'), 0)}",
+                     f"{f(med(seq, 'itl'), 0)} / {f(med(vllm, 'itl'), 0)}",
+                     f"{_pct(floors['seqserve'])} / {_pct(floors['vllm'])}"])
+    return md_table(MEDIAN_HEADER, rows)
+
+
+def median_markdown(results: Sequence[dict]) -> str:
+    """The median table of several `bench matrix` runs, with each run's commit and load."""
+    runs = "\n".join(f"- run {i + 1}: commit {r['commit']}; `uptime` at the start "
+                      f"`{r['uptime_start']}`, at the end `{r['uptime_end']}`"
+                      for i, r in enumerate(results))
+    return "\n\n".join([f"## The matrix, median of {len(results)} runs", runs,
+                         median_table(results)])

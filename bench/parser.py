@@ -18,7 +18,7 @@ from bench.peer_systems import PEERS
 from bench.workload import ARRIVALS, WORKLOADS
 
 COMMANDS = ("throughput", "sweep", "partition", "prefix", "serve", "peers", "ceiling", "matrix",
-            "all", "scheduler-cost", "replicas", "policies", "offline-batch", "length-prediction",
+            "matrix-median", "all", "scheduler-cost", "replicas", "policies", "offline-batch", "length-prediction",
             "policy-sim")
 
 
@@ -242,6 +242,10 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     g.add_argument("--quick", action="store_true",
                    help="smoke run: tiny model, 4 requests of at most 64 + 8 tokens a trace, "
                         "two rates, a short GEMM grid, small KV memory")
+    mm = sub.add_parser("matrix-median", help="the median of several `matrix` runs' "
+                        "matrix.json, each run's ratio listed (markdown on stdout)")
+    mm.add_argument("runs", type=Path, nargs="+", help="matrix.json of each run")
+    mm.add_argument("--log-level", default="INFO")
     sc = sub.add_parser("scheduler-cost", help="the scheduler's CPU per Step against 1..N "
                         "fake workers")
     sc.add_argument("--model", type=Path, default=Path("models/test/tiny-llama"),

@@ -10,7 +10,8 @@ import pytest
 from bench.commands import matrix
 from bench.floor import (FloorRequest, MachineRates, ModelShape, fraction_of_floor,
                          ideal_cached_tokens, run_floor, simulate, step_floor)
-from bench.matrix_report import floor_fraction, knee_table, matrix_markdown, ratio_row
+from bench.matrix_report import (floor_fraction, knee_table, matrix_markdown, median_markdown,
+                                 ratio_row)
 from bench.parser import build_parser
 
 # A Llama-style config with grouped heads and a head size that is not hidden / heads.
@@ -177,6 +178,26 @@ def test_knee_table_and_markdown_carry_commit_load_and_skips():
                  "hf-cb on mid / azure-conv: failed", "| qkv 64x256 | 2 | 16 |",
                  "20.0 GB/s"):
         assert text in md, text
+
+
+def test_median_of_runs_lists_each_runs_ratio_and_takes_medians():
+    runs = []
+    for i, (seq, vllm) in enumerate(((500.0, 250.0), (300.0, 300.0), (450.0, 300.0))):
+        cell = _cell()
+        cell["points"][0]["seqserve"] = _summary(seq, 1000 / seq, 100 + i, 20)
+        cell["points"][0]["vllm"] = _summary(vllm, 1000 / vllm, 300, 10 * (i + 1))
+        cell["points"][1]["fraction"] = 0.5
+        runs.append({"commit": f"c{i}", "uptime_start": f"start {i}", "uptime_end": f"end {i}",
+                     "cells": [cell]})
+    md = median_markdown(runs)
+    assert "median of 3 runs" in md and "start 2" in md and "end 0" in md
+    rows = [line for line in md.splitlines() if line.startswith("| mid")]
+    # ratios 2.00, 1.00, 1.50 -> 1.50; tok/s medians 450 / 300; p99 TTFT 2 x 101 / 2 x 300;
+    # p99 ITL 3 x 20 / 3 x 20; floor 1 s against 2.22 s (450 tok/s) and 3.33 s
+    assert rows[0] == ("| mid | azure-conv | all at once | 1.50 (2.00, 1.00, 1.50) | 450.0 | 300.0 "
+                       "| 202 / 600 | 60 / 60 | 45% / 30% |")
+    # vLLM skipped the Poisson point in every run: no ratio, seqserve's own figures stay
+    assert rows[1].startswith("| mid | azure-conv | Poisson 0.5x | n/a (n/a, n/a, n/a) | 400.0 | n/a |")
 
 
 def test_peers_report_sets_each_system_against_the_floor():

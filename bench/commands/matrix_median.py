@@ -1,0 +1,16 @@
+"""`python -m bench matrix-median RUN.json ...`: the median of several `bench matrix` runs
+(issue 21 asks for the median of at least three, each listed), as markdown on stdout."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from bench.matrix_report import median_markdown
+
+logger = logging.getLogger("seqserve.bench")
+
+
+def run(args) -> None:
+    results = [json.loads(path.read_text()) for path in args.runs]
+    print(median_markdown(results))
