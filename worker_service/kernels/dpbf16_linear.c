@@ -29,7 +29,7 @@
 #define MR 6 /* rows of a register tile */
 #define NB 4 /* 16-column blocks of a register tile: MR x NB = 24 of the 32 registers */
 /* Up to this many rows, the row tiles of a block group fetch the next group's weights
- * (1.03-1.13x on SmolLM2's layers at 1-64 rows); with more, the tiles are compute-bound
+ * (1.01-1.18x on SmolLM2's layers at 1-64 rows); with more, the tiles are compute-bound
  * and the fetching cost 2-4%. */
 #define PREFETCH_ROWS 64
 
