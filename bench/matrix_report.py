@@ -137,7 +137,7 @@ def median_table(results: Sequence[dict]) -> str:
     TTFT, p99 ITL and fraction of the floor. Poisson rows pair by their order within the
     cell (each run sets its own rates from its own all-at-once rate)."""
     def points(result: dict) -> dict[tuple[str, str, int], dict]:
-        return {(c["model"], c["trace"], i): (c, p) for c in result["cells"]
+        return {(c["model"], c["trace"], i): p for c in result["cells"]
                 for i, p in enumerate(c["points"])}
 
     runs = [points(r) for r in results]
@@ -145,19 +145,19 @@ def median_table(results: Sequence[dict]) -> str:
     for key in runs[0]:
         if not all(key in run for run in runs):
             continue
-        seq = [run[key][1].get("seqserve") for run in runs]
-        vllm = [run[key][1].get("vllm") for run in runs]
+        seq = [run[key].get("seqserve") for run in runs]
+        vllm = [run[key].get("vllm") for run in runs]
         vllm = [None if v and "skipped" in v else v for v in vllm]
         ratios = [ratio(_tput(a), _tput(b)) for a, b in zip(seq, vllm)]
 
         def med(systems, metric):
             return _median([(s or {}).get(metric, {}).get("p99_ms") for s in systems])
 
-        floors = {name: _median([floor_fraction(run[key][1], name) for run in runs])
+        floors = {name: _median([floor_fraction(run[key], name) for run in runs])
                   for name in ("seqserve", "vllm")}
-        label = runs[0][key][1]["label"]
+        label = runs[0][key]["label"]
         if label != "all at once":
-            label = f"Poisson {runs[0][key][1].get('fraction'):g}x"
+            label = f"Poisson {runs[0][key].get('fraction'):g}x"
         rows.append([key[0], key[1], label,
                      f"{f(_median(ratios), 2)} ({', '.join(f(r, 2) for r in ratios)})",
                      f(_median([_tput(s) for s in seq])), f(_median([_tput(v) for v in vllm])),

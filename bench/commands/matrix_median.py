@@ -4,11 +4,8 @@
 from __future__ import annotations
 
 import json
-import logging
 
 from bench.matrix_report import median_markdown
-
-logger = logging.getLogger("seqserve.bench")
 
 
 def run(args) -> None:

@@ -107,7 +107,7 @@ int linear_dpbf16(const uint16_t *x, const uint16_t *p, const uint16_t *bias, ui
                   int64_t rows, int64_t n, int64_t k, int64_t xs) {
     if (rows < 1 || k < 2 || k % 2)
         return -1;
-    const int64_t k2 = k / 2, blocks = (n + 15) / 16;
+    const int64_t k2 = k / 2, blocks = (n + 15) / 16, tiles = (rows + MR - 1) / MR;
 #pragma omp parallel if (rows * n * k >= 65536)
     {
         int64_t t = 0, threads = 1;
@@ -122,7 +122,6 @@ int linear_dpbf16(const uint16_t *x, const uint16_t *p, const uint16_t *bias, ui
             const int64_t col0 = b0 * 16;
             const int64_t next = b0 + NB < hi ? b0 + NB : hi;
             const int64_t next_blocks = hi - next < NB ? hi - next : NB;
-            const int64_t tiles = (rows + MR - 1) / MR;
             for (int64_t r0 = 0; r0 < rows; r0 += MR) {
                 const int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
                 const uint16_t *xr = x + r0 * xs;
