@@ -1,6 +1,6 @@
 """The worker's step with and without one of its CPU fast paths, in one process.
 
-    python -m bench.step_ab MODEL_DIR [--change silu|stack|dpbf16] [--threads 1]
+    python -m bench.step_ab MODEL_DIR [--change silu|stack|dpbf16|layers] [--threads 1]
                             [--rounds 5] [--rows 1,8,32,64]
                             [--prefills 1x2000,4x500,16x128]
 
@@ -8,7 +8,10 @@
 transformers' eager `act_fn(gate) * up`, on one runner. --change stack: the stacked q/k/v
 and gate/up products (kernels/fused_projections.py) against separate products, on two
 runners of the same model. --change dpbf16: the C bfloat16 product over pair-packed
-weights (kernels/dpbf16_linear.py) against oneDNN's prepacked one, on two runners. Each round times every step once with the fast path and once without, which
+weights (kernels/dpbf16_linear.py) against oneDNN's prepacked one, on two runners.
+--change layers: a decoding step's layers in one C call (kernels/decode_layers.py)
+against the layer loop's calls from Python, on one runner. Each round times every step
+once with the fast path and once without, which
 goes first alternating between rounds; prints the median ms of each and the median and
 range of the per-round ratios (without / with: above 1 means the fast path is faster),
 with the load average.
@@ -102,6 +105,22 @@ def _dpbf16_variants(model: str):
     return (lambda on: fast if on else onednn), f"{in_c} products in C against oneDNN"
 
 
+def _layers_variants(model: str):
+    """One runner; decoding steps through the one C call over all layers, or layer by
+    layer from Python."""
+    from worker_service.model_runner import ModelRunner
+
+    runner = ModelRunner(model, dtype="bfloat16")
+    loop = runner.layer_loop
+    call = loop.decode_layers if loop is not None else None
+    assert call is not None, "this model's decoding steps do not take the C call"
+
+    def use(fast: bool):
+        loop.decode_layers = call if fast else None
+        return runner
+    return use, f"{len(loop.layers)} layers in one C call against Python"
+
+
 def main() -> None:
     import torch
 
@@ -140,7 +159,8 @@ def main() -> None:
               f"load {os.getloadavg()[0]:.2f}", flush=True)
 
 
-VARIANTS = {"silu": _silu_variants, "stack": _stack_variants, "dpbf16": _dpbf16_variants}
+VARIANTS = {"silu": _silu_variants, "stack": _stack_variants, "dpbf16": _dpbf16_variants,
+            "layers": _layers_variants}
 
 if __name__ == "__main__":
     main()

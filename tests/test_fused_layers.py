@@ -133,6 +133,20 @@ def test_install_touches_only_llama_style_code_in_bfloat16_on_cpu():
 
 
 @needs_onednn_bf16
+def test_another_family_gets_the_c_rotary_after_llamas(monkeypatch):
+    """Once a Llama model is installed, modeling_llama's name holds the wrapper; Qwen2's
+    copy of the function must still be recognised and patched."""
+    fused_layers.install(ModelRunner(str(bf16_model("llama")), dtype="bfloat16").model)
+    assert hasattr(modeling_llama.apply_rotary_pos_emb, "seqserve_original")
+    qwen2_fn = modeling_qwen2.apply_rotary_pos_emb
+    monkeypatch.setattr(modeling_qwen2, "apply_rotary_pos_emb",
+                        getattr(qwen2_fn, "seqserve_original", qwen2_fn))
+    qwen2 = ModelRunner(str(bf16_model("qwen2")), dtype="bfloat16", prepack=False).model
+    assert fused_layers.install(qwen2)[1] == 1
+    assert hasattr(modeling_qwen2.apply_rotary_pos_emb, "seqserve_original")
+
+
+@needs_onednn_bf16
 def test_tokens_with_and_without_the_c_loops(monkeypatch):
     """A bfloat16 model decodes the same greedy tokens, with log-probabilities within
     float32 noise, through the C loops and through transformers' eager code."""

@@ -205,7 +205,11 @@ def install(model: nn.Module) -> tuple[int, int]:
         if fn is None or hasattr(fn, "seqserve_original"):
             patched += fn is not None
             continue
-        if (same_code(fn, reference.apply_rotary_pos_emb)
+        # Llama's own, unwrapped: once a Llama model was installed, the module's name
+        # holds our wrapper, whose code no other family's function shares.
+        llama = getattr(reference.apply_rotary_pos_emb, "seqserve_original",
+                        reference.apply_rotary_pos_emb)
+        if (same_code(fn, llama)
                 and same_code(getattr(mod, "rotate_half", None), reference.rotate_half)):
             # Module-wide, as the model's attention looks the function up there; other
             # models of this family in the process fall through to the original.

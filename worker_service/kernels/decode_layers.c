@@ -1,0 +1,162 @@
+/* A bfloat16 Llama-family decoding step's decoder layers in one call.
+ *
+ * Built and loaded at run time by decode_layers.py (plain C, no torch headers). The
+ * worker's layer loop (layer_loop.py) already runs every layer's arithmetic in C (the
+ * norms and rotary embedding of fused_layers.c, the products of dpbf16_linear.c, the
+ * decoding attention of native_attention.c) but reaches each through Python: about 6 ms
+ * of a 30-layer SmolLM2 step of one row, whose weights take about 10 ms to stream. This
+ * file calls the same compiled functions, passed in as pointers from the libraries the
+ * layer loop loads, with the same arguments in the same order, so the hidden states keep
+ * their bits; the glue between them (the two residual adds, and copies that only move
+ * values) is here.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* The kernels, as the other libraries define them. */
+typedef void (*rms_norm_fn)(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows,
+                            int64_t n, int64_t x_stride, int64_t y_stride, float eps);
+typedef int (*linear_fn)(const uint16_t *x, const uint16_t *p, const uint16_t *bias,
+                         uint16_t *y, int64_t rows, int64_t n, int64_t k, int64_t xs);
+typedef void (*rotary_fn)(const uint16_t *x, uint16_t *y, const uint16_t *cos,
+                          const uint16_t *sin, int64_t heads, int64_t tokens, int64_t dim,
+                          int64_t head_stride, int64_t token_stride);
+typedef void (*silu_rows_fn)(const uint16_t *gu, uint16_t *out, const float *silu,
+                             int64_t rows, int64_t cols, int64_t stride);
+typedef int (*decode_fn)(const uint16_t *q, uint16_t *k, uint16_t *v, uint16_t *out,
+                         const int64_t *lengths, int64_t rows, int64_t heads,
+                         int64_t kv_heads, int64_t dim, int64_t row_stride,
+                         int64_t head_stride, float scale, int64_t window, int64_t max_len,
+                         const uint16_t *new_k, const uint16_t *new_v,
+                         int64_t new_row_stride, int64_t new_head_stride);
+
+/* Mirrored by ctypes Structures in decode_layers.py: keep the field order. */
+struct kernels {
+    rms_norm_fn rms_norm;
+    linear_fn linear;
+    rotary_fn rotary;
+    silu_rows_fn silu_rows;
+    decode_fn decode;
+    const float *silu; /* fused_layers.silu_table() */
+};
+
+struct layer {
+    const uint16_t *input_norm, *post_norm; /* [hidden] */
+    float input_eps, post_eps;
+    const uint16_t *qkv, *qkv_bias;         /* packed [q | k | v] product, bias or NULL */
+    const uint16_t *o, *o_bias;             /* packed, [heads * dim] -> [hidden] */
+    const uint16_t *gate_up, *gate_up_bias; /* packed [gate | up], [hidden] -> [2 * inter] */
+    const uint16_t *down, *down_bias;       /* packed, [inter] -> [hidden] */
+    float scaling;
+    int64_t window; /* 0: full causal */
+};
+
+struct shape {
+    int64_t hidden, heads, kv_heads, dim, inter;
+};
+
+/* One decoding segment (rows of one KV group): its tokens [token_start, token_start +
+ * rows), each row attending below ends[i] (at most max_end); its group's strides. */
+struct segment {
+    int64_t token_start, rows, max_end, row_stride, head_stride;
+    const int64_t *ends;
+};
+
+/* Work space for `tokens` tokens, allocated by the caller. */
+struct scratch {
+    uint16_t *normed;  /* [tokens, hidden] */
+    uint16_t *qkv;     /* [tokens, (heads + 2 kv_heads) dim] */
+    uint16_t *q_rot;   /* [heads, tokens, dim] */
+    uint16_t *k_rot;   /* [kv_heads, tokens, dim] */
+    uint16_t *v_heads; /* [kv_heads, tokens, dim] */
+    uint16_t *q_rows;  /* [tokens, heads, dim] */
+    uint16_t *attn;    /* [tokens, heads * dim] */
+    uint16_t *product; /* [tokens, hidden] */
+    uint16_t *gate_up; /* [tokens, 2 inter] */
+    uint16_t *act;     /* [tokens, inter] */
+};
+
+/* h = bfloat16(h + d), as torch adds two bfloat16 tensors (in float32, rounded to nearest
+ * even). */
+static void add_into(uint16_t *h, const uint16_t *d, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= 65536)
+    for (int64_t b = 0; b < (n + 1023) / 1024; b++) {
+        const int64_t hi = b * 1024 + 1024 < n ? b * 1024 + 1024 : n;
+        int64_t i = b * 1024;
+#ifdef HAVE_AVX512_BF16
+        const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
+        for (; i + 16 <= hi; i += 16) {
+            const __m512 s = _mm512_add_ps(load16(h + i), load16(d + i));
+            const __mmask16 nan = _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q);
+            if (nan) /* the element loop's quiet NaN */
+                break;
+            const __m512i bits = _mm512_castps_si512(s);
+            const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+            const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, half)), 16);
+            _mm256_storeu_si256((__m256i *)(h + i), _mm512_cvtepi32_epi16(r));
+        }
+#endif
+        for (; i < hi; i++)
+            h[i] = float_to_bf16(bf16_to_float(h[i]) + bf16_to_float(d[i]));
+    }
+}
+
+/* hidden [tokens, hidden] (bfloat16, updated in place) through `count` decoder layers of a
+ * decoding step: cos, sin [tokens, dim]; k_ptrs / v_ptrs [count][segments] each segment's
+ * KV buffer of that layer from its first row on. Returns 0, or the first kernel's
+ * non-zero status. */
+int decode_layers(const struct kernels *kn, const struct shape *sh, const struct layer *layers,
+                  int64_t count, uint16_t *hidden, int64_t tokens, const uint16_t *cos,
+                  const uint16_t *sin, const struct segment *segments, int64_t nseg,
+                  uint16_t *const *k_ptrs, uint16_t *const *v_ptrs, const struct scratch *s) {
+    const int64_t H = sh->hidden, heads = sh->heads, kvh = sh->kv_heads, dim = sh->dim;
+    const int64_t qc = heads * dim, kc = kvh * dim, width = qc + 2 * kc, inter = sh->inter;
+    for (int64_t l = 0; l < count; l++) {
+        const struct layer *L = &layers[l];
+        int status;
+        kn->rms_norm(hidden, L->input_norm, s->normed, tokens, H, H, H, L->input_eps);
+        if ((status = kn->linear(s->normed, L->qkv, L->qkv_bias, s->qkv, tokens, width, H, H)))
+            return status;
+        /* query and key [heads, tokens, dim] with strides (dim, width) in the product */
+        kn->rotary(s->qkv, s->q_rot, cos, sin, heads, tokens, dim, dim, width);
+        kn->rotary(s->qkv + qc, s->k_rot, cos, sin, kvh, tokens, dim, dim, width);
+        for (int64_t t = 0; t < tokens; t++) {
+            for (int64_t h = 0; h < heads; h++)
+                memcpy(s->q_rows + (t * heads + h) * dim, s->q_rot + (h * tokens + t) * dim,
+                       (size_t)dim * 2);
+            for (int64_t h = 0; h < kvh; h++)
+                memcpy(s->v_heads + (h * tokens + t) * dim, s->qkv + t * width + qc + kc + h * dim,
+                       (size_t)dim * 2);
+        }
+        for (int64_t g = 0; g < nseg; g++) {
+            const struct segment *S = &segments[g];
+            const int64_t a = S->token_start;
+            status = kn->decode(s->q_rows + a * qc, k_ptrs[l * nseg + g], v_ptrs[l * nseg + g],
+                                s->attn + a * qc, S->ends, S->rows, heads, kvh, dim,
+                                S->row_stride, S->head_stride, L->scaling, L->window,
+                                S->max_end, s->k_rot + a * dim, s->v_heads + a * dim, dim,
+                                tokens * dim);
+            if (status)
+                return status;
+        }
+        if ((status = kn->linear(s->attn, L->o, L->o_bias, s->product, tokens, H, qc, qc)))
+            return status;
+        add_into(hidden, s->product, tokens * H);
+        kn->rms_norm(hidden, L->post_norm, s->normed, tokens, H, H, H, L->post_eps);
+        if ((status = kn->linear(s->normed, L->gate_up, L->gate_up_bias, s->gate_up, tokens,
+                                 2 * inter, H, H)))
+            return status;
+        kn->silu_rows(s->gate_up, s->act, kn->silu, tokens, inter, 2 * inter);
+        if ((status = kn->linear(s->act, L->down, L->down_bias, s->product, tokens, H, inter,
+                                 inter)))
+            return status;
+        add_into(hidden, s->product, tokens * H);
+    }
+    return 0;
+}

@@ -1,0 +1,267 @@
+"""A bfloat16 decoding step's decoder layers in one C call (`decode_layers.c`).
+
+The layer loop (layer_loop.py) runs every layer's arithmetic in C loops already, but calls
+each through Python: per layer a norm, the stacked q/k/v product, two rotary passes, the
+decoding attention with its KV write, the output product, a residual add, a norm, the
+gate/up product, the SiLU gate product, the down product and an add, with their tensor
+allocations and checks. On SmolLM2 (30 layers) that is about 6 ms of a one-row step of
+about 20 ms. Here one call runs all layers, calling the same compiled functions (passed
+as pointers from the libraries the loop uses) with the same arguments, so the hidden states
+have the same bits; the worker's probe of the loop (ModelRunner._layer_loop) compares a
+decoding step against the model's own forward too.
+
+It takes only steps of decoding rows (prompts spend their time in the products and the
+attention, not in the calls), and only layers built from the pieces it calls: C norms,
+q/k/v and gate/up stacked into C products, the C output and down products, the C rotary
+embedding, and attention the native decoding loop computes. `SEQSERVE_DECODE_LAYERS=0`
+keeps the per-layer calls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import types
+from pathlib import Path
+
+import torch
+
+from worker_service.kernels import (dpbf16_linear, fused_layers, fused_projections,
+                                    native_attention, native_build)
+from worker_service.kernels.linear_prepack import PrepackedLinear
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode_layers.c")
+SWITCH = "SEQSERVE_DECODE_LAYERS"
+_P, _I = native_build.P, native_build.I64
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [("rms_norm", _P), ("linear", _P), ("rotary", _P), ("silu_rows", _P),
+                ("decode", _P), ("silu", _P)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("input_eps", ctypes.c_float),
+                ("post_eps", ctypes.c_float), ("qkv", _P), ("qkv_bias", _P), ("o", _P),
+                ("o_bias", _P), ("gate_up", _P), ("gate_up_bias", _P), ("down", _P),
+                ("down_bias", _P), ("scaling", ctypes.c_float), ("window", _I)]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [("hidden", _I), ("heads", _I), ("kv_heads", _I), ("dim", _I), ("inter", _I)]
+
+
+class _Segment(ctypes.Structure):
+    _fields_ = [("token_start", _I), ("rows", _I), ("max_end", _I), ("row_stride", _I),
+                ("head_stride", _I), ("ends", _P)]
+
+
+FUNCTIONS = {"decode_layers": ([_P, _P, _P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P],
+                                ctypes.c_int)}
+_SCRATCH = ("normed", "qkv", "q_rot", "k_rot", "v_heads", "q_rows", "attn", "product",
+            "gate_up", "act")
+
+
+class _Scratch(ctypes.Structure):
+    _fields_ = [(name, _P) for name in _SCRATCH]
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The C library, built on first use; None where it cannot be built."""
+    return native_build.build(SOURCE, SWITCH, "decoding steps call each layer's C loops "
+                              "from Python", FUNCTIONS)
+
+
+def _pointer(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _c_linear(module) -> PrepackedLinear | None:
+    return module if isinstance(module, PrepackedLinear) and module.c_product else None
+
+
+def _norm(call) -> tuple[torch.Tensor, float] | None:
+    """The weight and epsilon of a norm whose forward is the C norm's, else None."""
+    module = getattr(call, "__self__", None)
+    if getattr(call, "__func__", None) is not fused_layers._rms_norm:
+        return None
+    w = getattr(module, "weight", None)
+    if w is None or w.dtype != torch.bfloat16 or not w.is_contiguous():
+        return None
+    return w, float(module.variance_epsilon)
+
+
+def _stacked(slices) -> PrepackedLinear | None:
+    """The C product that `slices` (the q/k/v or gate/up ProductSlices, in order) cut
+    into consecutive columns, else None."""
+    if not all(isinstance(s, types.MethodType) and isinstance(s.__self__,
+               fused_projections.ProductSlice) for s in slices):
+        return None
+    parts = [s.__self__ for s in slices]
+    product = parts[0].product
+    if any(p.product is not product for p in parts) or parts[0].lo != 0 or any(
+            a.hi != b.lo for a, b in zip(parts, parts[1:])):
+        return None
+    linear = _c_linear(product.linear)
+    return linear if linear is not None and linear.out_features == parts[-1].hi else None
+
+
+class DecodeLayers:
+    """The C call over a layer loop's layers; `build` says whether they can take it."""
+
+    def __init__(self, layers: list[_Layer], shape: _Shape, keep: list):
+        lib = fused_layers.library()
+        self._kernels = _Kernels(
+            _pointer(lib.rms_norm_bf16), _pointer(dpbf16_linear.library().linear_dpbf16),
+            _pointer(lib.rotary_bf16), _pointer(lib.silu_mul_rows_bf16),
+            _pointer(native_attention.kernel().decode_attention_bf16),
+            fused_layers.silu_table().data_ptr())
+        self._layers = (_Layer * len(layers))(*layers)
+        self._count = len(layers)
+        self._shape = shape
+        self._keep = keep  # the tensors whose addresses the structures hold
+        self._windows: tuple | None = None
+
+    @classmethod
+    def build(cls, loop_layers) -> "DecodeLayers | None":
+        """For LayerLoop's `_Layer`s; None (and why, logged) where any layer has a piece
+        the C call does not run, or a library is missing."""
+        reason = cls._unsupported(loop_layers)
+        if reason is not None:
+            logger.info("decoding steps call each layer from Python: %s", reason)
+            return None
+        layers, keep, shape = [], [], None
+        for layer in loop_layers:
+            (w_in, eps_in), (w_post, eps_post) = _norm(layer.input_norm), _norm(layer.post_norm)
+            qkv = _stacked((layer.q_proj, layer.k_proj, layer.v_proj))
+            mlp = layer.mlp.__self__
+            gate_up = _stacked((mlp.gate_proj.forward, mlp.up_proj.forward))
+            o, down = _c_linear(layer.o_proj.__self__), _c_linear(mlp.down_proj)
+            q_cols = layer.q_proj.__self__.hi
+            kv_cols = layer.k_proj.__self__.hi - q_cols
+            this = _Shape(w_in.shape[0], q_cols // layer.head_dim, kv_cols // layer.head_dim,
+                          layer.head_dim, gate_up.out_features // 2)
+            if shape is not None and tuple(getattr(this, f) for f, _ in _Shape._fields_) != \
+                    tuple(getattr(shape, f) for f, _ in _Shape._fields_):
+                logger.info("decoding steps call each layer from Python: layers of "
+                            "several shapes")
+                return None
+            shape = this
+            if (o.in_features != q_cols or o.out_features != this.hidden
+                    or down.in_features != this.inter or down.out_features != this.hidden
+                    or layer.v_proj.__self__.hi - layer.k_proj.__self__.hi != kv_cols
+                    or qkv.in_features != this.hidden or gate_up.in_features != this.hidden):
+                logger.info("decoding steps call each layer from Python: a layer's products "
+                            "do not chain")
+                return None
+            keep += [w_in, w_post, qkv, o, gate_up, down]
+            layers.append(_Layer(
+                _ptr(w_in), _ptr(w_post), eps_in, eps_post,
+                _ptr(qkv.packed_weight), _ptr(qkv.bias), _ptr(o.packed_weight), _ptr(o.bias),
+                _ptr(gate_up.packed_weight), _ptr(gate_up.bias), _ptr(down.packed_weight),
+                _ptr(down.bias), float(layer.scaling), 0))
+        return cls(layers, shape, keep)
+
+    @staticmethod
+    def _unsupported(loop_layers) -> str | None:
+        if not loop_layers:
+            return "no layers"
+        if library() is None or dpbf16_linear.library() is None:
+            return "a library is missing"
+        if (fused_layers.library() is None or fused_layers.silu_table() is None
+                or native_attention.kernel() is None):
+            return "a library is missing"
+        indices = [layer.index for layer in loop_layers]
+        if indices != list(range(len(loop_layers))):
+            return "layer indices are not 0, 1, ..."
+        for layer in loop_layers:
+            if _norm(layer.input_norm) is None or _norm(layer.post_norm) is None:
+                return "a norm is not the C norm"
+            if _stacked((layer.q_proj, layer.k_proj, layer.v_proj)) is None:
+                return "q, k and v are not one stacked C product"
+            if not hasattr(layer.rotary, "seqserve_original"):
+                return "the rotary embedding is not the C loop's"
+            if not isinstance(layer.o_proj, types.MethodType) or _c_linear(
+                    layer.o_proj.__self__) is None:
+                return "an output projection is not a C product"
+            mlp = getattr(layer.mlp, "__self__", None)
+            if getattr(layer.mlp, "__func__", None) is not fused_layers._silu_mul:
+                return "an MLP is not the C SiLU gate product"
+            if (not isinstance(getattr(mlp, "gate_proj", None), fused_projections.ProductSlice)
+                    or _stacked((mlp.gate_proj.forward, mlp.up_proj.forward)) is None
+                    or _c_linear(mlp.down_proj) is None):
+                return "an MLP's products are not stacked C products"
+            if layer.head_dim % 2:
+                return "an odd head size"
+        return None
+
+    def takes(self, batch, hidden: torch.Tensor, cos: torch.Tensor) -> bool:
+        """Whether this step can take the call: decoding rows only, bfloat16, every layer's
+        attention in the native loop, and autograd off."""
+        from worker_service.packed_batch import DecodeSegment
+
+        if (hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu"
+                or cos.dtype != torch.bfloat16 or cos.shape != (1, hidden.shape[1],
+                                                                self._shape.dim)
+                or (torch.is_grad_enabled() and not torch.is_inference_mode_enabled())):
+            return False
+        if not batch.segments or not all(type(s) is DecodeSegment for s in batch.segments):
+            return False
+        if batch.layers and not all(spec.native for spec in batch.layers):
+            return False
+        probe = hidden.new_empty(1, 1, 1, self._shape.dim)
+        return all(native_attention.supports(probe, seg.group.keys[0], seg.group.values[0])
+                   and seg.group.keys[0].shape[1] == self._shape.kv_heads
+                   for seg in batch.segments)
+
+    def forward(self, batch, hidden: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        """hidden [1, tokens, hidden] (the embeddings; not changed) through every layer;
+        returns the last layer's hidden states [1, tokens, hidden]. Call only where
+        `takes`."""
+        windows = tuple(spec.window or 0 for spec in batch.layers) if batch.layers else ()
+        if windows != self._windows:
+            for i in range(self._count):
+                self._layers[i].window = windows[i] if windows else 0
+            self._windows = windows
+        sh = self._shape
+        tokens = hidden.shape[1]
+        out = hidden.reshape(tokens, sh.hidden).clone()
+        c, s = cos[0].contiguous(), sin[0].contiguous()
+        segs = batch.segments
+        nseg = len(segs)
+        k_ptrs = (ctypes.c_void_p * (self._count * nseg))()
+        v_ptrs = (ctypes.c_void_p * (self._count * nseg))()
+        c_segs = (_Segment * nseg)()
+        for g, seg in enumerate(segs):
+            keys, values = seg.group.keys, seg.group.values
+            offset = seg.row_start * keys[0].stride(0) * keys[0].element_size()
+            for layer in range(self._count):
+                k_ptrs[layer * nseg + g] = keys[layer].data_ptr() + offset
+                v_ptrs[layer * nseg + g] = values[layer].data_ptr() + offset
+            c_segs[g] = _Segment(seg.token_start, seg.num_tokens, seg.kv_len,
+                                 keys[0].stride(0), keys[0].stride(1), seg.ends.data_ptr())
+        width = (sh.heads + 2 * sh.kv_heads) * sh.dim
+        sizes = {"normed": sh.hidden, "qkv": width, "q_rot": sh.heads * sh.dim,
+                 "k_rot": sh.kv_heads * sh.dim, "v_heads": sh.kv_heads * sh.dim,
+                 "q_rows": sh.heads * sh.dim, "attn": sh.heads * sh.dim,
+                 "product": sh.hidden, "gate_up": 2 * sh.inter, "act": sh.inter}
+        buffers = {name: torch.empty(tokens, sizes[name], dtype=torch.bfloat16)
+                   for name in _SCRATCH}
+        scratch = _Scratch(*(buffers[name].data_ptr() for name in _SCRATCH))
+        status = library().decode_layers(
+            ctypes.byref(self._kernels), ctypes.byref(sh), self._layers, self._count,
+            out.data_ptr(), tokens, c.data_ptr(), s.data_ptr(), c_segs, nseg, k_ptrs, v_ptrs,
+            ctypes.byref(scratch))
+        if status != 0:
+            raise ValueError(f"the C decoding layers refused a step of {tokens} rows "
+                             f"(status {status}); set {SWITCH}=0 and report it")
+        return out.view(1, tokens, sh.hidden)
