@@ -9,7 +9,7 @@ transformers' eager `act_fn(gate) * up`, on one runner. --change stack: the stac
 and gate/up products (kernels/fused_projections.py) against separate products, on two
 runners of the same model. --change dpbf16: the C bfloat16 product over pair-packed
 weights (kernels/dpbf16_linear.py) against oneDNN's prepacked one, on two runners.
---change layers: a decoding step's layers in one C call (kernels/decode_layers.py)
+--change layers: a step's layers in one C call (kernels/step_layers.py)
 against the layer loop's calls from Python, on one runner. Each round times every step
 once with the fast path and once without, which
 goes first alternating between rounds; prints the median ms of each and the median and
@@ -106,17 +106,17 @@ def _dpbf16_variants(model: str):
 
 
 def _layers_variants(model: str):
-    """One runner; decoding steps through the one C call over all layers, or layer by
-    layer from Python."""
+    """One runner; steps through the one C call over all layers, or layer by layer from
+    Python."""
     from worker_service.model_runner import ModelRunner
 
     runner = ModelRunner(model, dtype="bfloat16")
     loop = runner.layer_loop
-    call = loop.decode_layers if loop is not None else None
-    assert call is not None, "this model's decoding steps do not take the C call"
+    call = loop.step_layers if loop is not None else None
+    assert call is not None, "this model's steps do not take the C call"
 
     def use(fast: bool):
-        loop.decode_layers = call if fast else None
+        loop.step_layers = call if fast else None
         return runner
     return use, f"{len(loop.layers)} layers in one C call against Python"
 

@@ -28,7 +28,7 @@ from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
 
-from worker_service.kernels import decode_layers
+from worker_service.kernels import step_layers
 from worker_service.kernels.fused_layers import same_code
 from worker_service.kernels.fused_projections import KNOWN_FORWARDS
 from worker_service.packed_batch import PackedBatch
@@ -75,8 +75,8 @@ class LayerLoop:
         self.norm = _direct(base.norm)
         self.layers = tuple(self._layer(layer)
                             for layer in base.layers[: base.config.num_hidden_layers])
-        # Decoding steps run every layer in one C call where all layers take it.
-        self.decode_layers = decode_layers.DecodeLayers.build(self.layers)
+        # A step runs every layer in one C call where all layers take it.
+        self.step_layers = step_layers.StepLayers.build(self.layers)
 
     @staticmethod
     def _layer(layer: nn.Module) -> _Layer:
@@ -94,8 +94,8 @@ class LayerLoop:
         layer's new keys and values land in the batch's group buffers."""
         hidden = self.embed(ids)
         cos, sin = self.rotary_emb(hidden, positions)
-        if self.decode_layers is not None and self.decode_layers.takes(batch, hidden, cos):
-            return self.norm(self.decode_layers.forward(batch, hidden, cos, sin))
+        if self.step_layers is not None and self.step_layers.takes(batch, hidden, cos):
+            return self.norm(self.step_layers.forward(batch, hidden, cos, sin))
         shape = hidden.shape[:-1]
         for layer in self.layers:
             # LlamaDecoderLayer.forward and LlamaAttention.forward, with the Cache update

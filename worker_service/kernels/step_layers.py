@@ -1,20 +1,20 @@
-"""A bfloat16 decoding step's decoder layers in one C call (`decode_layers.c`).
+"""A bfloat16 step's decoder layers in one C call (`step_layers.c`).
 
 The layer loop (layer_loop.py) runs every layer's arithmetic in C loops already, but calls
 each through Python: per layer a norm, the stacked q/k/v product, two rotary passes, the
 decoding attention with its KV write, the output product, a residual add, a norm, the
 gate/up product, the SiLU gate product, the down product and an add, with their tensor
-allocations and checks. On SmolLM2 (30 layers) that is about 6 ms of a one-row step of
-about 20 ms. Here one call runs all layers, calling the same compiled functions (passed
+allocations and checks. On SmolLM2 (30 layers) that was about 6 ms of a one-row decoding
+step of 18 ms. Here one call runs all layers, calling the same compiled functions (passed
 as pointers from the libraries the loop uses) with the same arguments, so the hidden states
 have the same bits; the worker's probe of the loop (ModelRunner._layer_loop) compares a
 decoding step against the model's own forward too.
 
-It takes only steps of decoding rows (prompts spend their time in the products and the
-attention, not in the calls), and only layers built from the pieces it calls: C norms,
-q/k/v and gate/up stacked into C products, the C output and down products, the C rotary
-embedding, and attention the native decoding loop computes. `SEQSERVE_DECODE_LAYERS=0`
-keeps the per-layer calls.
+It takes steps of decoding rows and prompts (whole or in chunks, after a cached prefix),
+not contrastive search's candidate trees, and only layers built from the pieces it calls:
+C norms, q/k/v and gate/up stacked into C products, the C output and down products, the C
+rotary embedding, and attention the native loops compute. `SEQSERVE_STEP_LAYERS=0` keeps
+the per-layer calls.
 """
 
 from __future__ import annotations
@@ -33,14 +33,15 @@ from worker_service.kernels.linear_prepack import PrepackedLinear
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode_layers.c")
-SWITCH = "SEQSERVE_DECODE_LAYERS"
+SOURCE = Path(__file__).with_name("step_layers.c")
+SWITCH = "SEQSERVE_STEP_LAYERS"
 _P, _I = native_build.P, native_build.I64
 
 
 class _Kernels(ctypes.Structure):
     _fields_ = [("rms_norm", _P), ("linear", _P), ("rotary", _P), ("silu_rows", _P),
-                ("decode", _P), ("silu", _P)]
+                ("decode", _P), ("prompt", _P), ("prompt_tiled", _P),
+                ("tiled_min_tokens", _I), ("silu", _P)]
 
 
 class _Layer(ctypes.Structure):
@@ -55,11 +56,11 @@ class _Shape(ctypes.Structure):
 
 
 class _Segment(ctypes.Structure):
-    _fields_ = [("token_start", _I), ("rows", _I), ("max_end", _I), ("row_stride", _I),
-                ("head_stride", _I), ("ends", _P)]
+    _fields_ = [("kind", _I), ("token_start", _I), ("rows", _I), ("max_end", _I),
+                ("start", _I), ("row_stride", _I), ("head_stride", _I), ("ends", _P)]
 
 
-FUNCTIONS = {"decode_layers": ([_P, _P, _P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P],
+FUNCTIONS = {"step_layers": ([_P, _P, _P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P],
                                 ctypes.c_int)}
 _SCRATCH = ("normed", "qkv", "q_rot", "k_rot", "v_heads", "q_rows", "attn", "product",
             "gate_up", "act")
@@ -72,7 +73,7 @@ class _Scratch(ctypes.Structure):
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The C library, built on first use; None where it cannot be built."""
-    return native_build.build(SOURCE, SWITCH, "decoding steps call each layer's C loops "
+    return native_build.build(SOURCE, SWITCH, "steps call each layer's C loops "
                               "from Python", FUNCTIONS)
 
 
@@ -114,16 +115,18 @@ def _stacked(slices) -> PrepackedLinear | None:
     return linear if linear is not None and linear.out_features == parts[-1].hi else None
 
 
-class DecodeLayers:
+class StepLayers:
     """The C call over a layer loop's layers; `build` says whether they can take it."""
 
     def __init__(self, layers: list[_Layer], shape: _Shape, keep: list):
-        lib = fused_layers.library()
+        lib, tiled = fused_layers.library(), native_attention.tiled_kernel()
         self._kernels = _Kernels(
             _pointer(lib.rms_norm_bf16), _pointer(dpbf16_linear.library().linear_dpbf16),
             _pointer(lib.rotary_bf16), _pointer(lib.silu_mul_rows_bf16),
             _pointer(native_attention.kernel().decode_attention_bf16),
-            fused_layers.silu_table().data_ptr())
+            _pointer(native_attention.kernel().prompt_attention_bf16),
+            None if tiled is None else _pointer(tiled.prompt_attention_tiled_bf16),
+            native_attention.TILED_MIN_TOKENS, fused_layers.silu_table().data_ptr())
         self._layers = (_Layer * len(layers))(*layers)
         self._count = len(layers)
         self._shape = shape
@@ -131,12 +134,12 @@ class DecodeLayers:
         self._windows: tuple | None = None
 
     @classmethod
-    def build(cls, loop_layers) -> "DecodeLayers | None":
+    def build(cls, loop_layers) -> "StepLayers | None":
         """For LayerLoop's `_Layer`s; None (and why, logged) where any layer has a piece
         the C call does not run, or a library is missing."""
         reason = cls._unsupported(loop_layers)
         if reason is not None:
-            logger.info("decoding steps call each layer from Python: %s", reason)
+            logger.info("steps call each layer from Python: %s", reason)
             return None
         layers, keep, shape = [], [], None
         for layer in loop_layers:
@@ -151,7 +154,7 @@ class DecodeLayers:
                           layer.head_dim, gate_up.out_features // 2)
             if shape is not None and tuple(getattr(this, f) for f, _ in _Shape._fields_) != \
                     tuple(getattr(shape, f) for f, _ in _Shape._fields_):
-                logger.info("decoding steps call each layer from Python: layers of "
+                logger.info("steps call each layer from Python: layers of "
                             "several shapes")
                 return None
             shape = this
@@ -159,7 +162,7 @@ class DecodeLayers:
                     or down.in_features != this.inter or down.out_features != this.hidden
                     or layer.v_proj.__self__.hi - layer.k_proj.__self__.hi != kv_cols
                     or qkv.in_features != this.hidden or gate_up.in_features != this.hidden):
-                logger.info("decoding steps call each layer from Python: a layer's products "
+                logger.info("steps call each layer from Python: a layer's products "
                             "do not chain")
                 return None
             keep += [w_in, w_post, qkv, o, gate_up, down]
@@ -204,16 +207,18 @@ class DecodeLayers:
         return None
 
     def takes(self, batch, hidden: torch.Tensor, cos: torch.Tensor) -> bool:
-        """Whether this step can take the call: decoding rows only, bfloat16, every layer's
-        attention in the native loop, and autograd off."""
-        from worker_service.packed_batch import DecodeSegment
+        """Whether this step can take the call: decoding rows and prompts (no candidate
+        tree), bfloat16, every layer's attention in the native loops, autograd off."""
+        from worker_service.packed_batch import DecodeSegment, RowSegment
 
         if (hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu"
                 or cos.dtype != torch.bfloat16 or cos.shape != (1, hidden.shape[1],
                                                                 self._shape.dim)
                 or (torch.is_grad_enabled() and not torch.is_inference_mode_enabled())):
             return False
-        if not batch.segments or not all(type(s) is DecodeSegment for s in batch.segments):
+        if not batch.segments or not all(
+                type(s) is DecodeSegment or (type(s) is RowSegment and not s.tree)
+                for s in batch.segments):
             return False
         if batch.layers and not all(spec.native for spec in batch.layers):
             return False
@@ -224,7 +229,10 @@ class DecodeLayers:
 
     def forward(self, batch, hidden: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> torch.Tensor:
-        """hidden [1, tokens, hidden] (the embeddings; not changed) through every layer;
+        from worker_service.packed_batch import DecodeSegment
+
+        """hidden [1, tokens, hidden] (the embeddings; not changed) through every layer,
+        each segment's new keys and values written to its group;
         returns the last layer's hidden states [1, tokens, hidden]. Call only where
         `takes`."""
         windows = tuple(spec.window or 0 for spec in batch.layers) if batch.layers else ()
@@ -243,12 +251,17 @@ class DecodeLayers:
         c_segs = (_Segment * nseg)()
         for g, seg in enumerate(segs):
             keys, values = seg.group.keys, seg.group.values
-            offset = seg.row_start * keys[0].stride(0) * keys[0].element_size()
+            decoding = type(seg) is DecodeSegment
+            row = seg.row_start if decoding else seg.row
+            offset = row * keys[0].stride(0) * keys[0].element_size()
             for layer in range(self._count):
                 k_ptrs[layer * nseg + g] = keys[layer].data_ptr() + offset
                 v_ptrs[layer * nseg + g] = values[layer].data_ptr() + offset
-            c_segs[g] = _Segment(seg.token_start, seg.num_tokens, seg.kv_len,
-                                 keys[0].stride(0), keys[0].stride(1), seg.ends.data_ptr())
+            c_segs[g] = (_Segment(0, seg.token_start, seg.num_tokens, seg.kv_len, 0,
+                                  keys[0].stride(0), keys[0].stride(1), seg.ends.data_ptr())
+                         if decoding else
+                         _Segment(1, seg.token_start, seg.num_tokens, 0, seg.start,
+                                  keys[0].stride(0), keys[0].stride(1), None))
         width = (sh.heads + 2 * sh.kv_heads) * sh.dim
         sizes = {"normed": sh.hidden, "qkv": width, "q_rot": sh.heads * sh.dim,
                  "k_rot": sh.kv_heads * sh.dim, "v_heads": sh.kv_heads * sh.dim,
@@ -257,11 +270,11 @@ class DecodeLayers:
         buffers = {name: torch.empty(tokens, sizes[name], dtype=torch.bfloat16)
                    for name in _SCRATCH}
         scratch = _Scratch(*(buffers[name].data_ptr() for name in _SCRATCH))
-        status = library().decode_layers(
+        status = library().step_layers(
             ctypes.byref(self._kernels), ctypes.byref(sh), self._layers, self._count,
             out.data_ptr(), tokens, c.data_ptr(), s.data_ptr(), c_segs, nseg, k_ptrs, v_ptrs,
             ctypes.byref(scratch))
         if status != 0:
-            raise ValueError(f"the C decoding layers refused a step of {tokens} rows "
+            raise ValueError(f"the C step layers refused a step of {tokens} rows "
                              f"(status {status}); set {SWITCH}=0 and report it")
         return out.view(1, tokens, sh.hidden)

@@ -1,14 +1,14 @@
-/* A bfloat16 Llama-family decoding step's decoder layers in one call.
+/* A bfloat16 Llama-family step's decoder layers in one call.
  *
- * Built and loaded at run time by decode_layers.py (plain C, no torch headers). The
+ * Built and loaded at run time by step_layers.py (plain C, no torch headers). The
  * worker's layer loop (layer_loop.py) already runs every layer's arithmetic in C (the
  * norms and rotary embedding of fused_layers.c, the products of dpbf16_linear.c, the
- * decoding attention of native_attention.c) but reaches each through Python: about 6 ms
+ * attention of native_attention.c and prompt_attention.c) but reaches each through Python: about 6 ms
  * of a 30-layer SmolLM2 step of one row, whose weights take about 10 ms to stream. This
  * file calls the same compiled functions, passed in as pointers from the libraries the
  * layer loop loads, with the same arguments in the same order, so the hidden states keep
- * their bits; the glue between them (the two residual adds, and copies that only move
- * values) is here.
+ * their bits; the glue between them (the two residual adds, the prompts' KV writes, and
+ * copies that only move values) is here.
  */
 #include <stdint.h>
 #include <string.h>
@@ -29,6 +29,10 @@ typedef void (*rotary_fn)(const uint16_t *x, uint16_t *y, const uint16_t *cos,
                           int64_t head_stride, int64_t token_stride);
 typedef void (*silu_rows_fn)(const uint16_t *gu, uint16_t *out, const float *silu,
                              int64_t rows, int64_t cols, int64_t stride);
+typedef int (*prompt_fn)(const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                         uint16_t *out, int64_t start, int64_t tokens, int64_t heads,
+                         int64_t kv_heads, int64_t dim, int64_t head_stride, float scale,
+                         int64_t window);
 typedef int (*decode_fn)(const uint16_t *q, uint16_t *k, uint16_t *v, uint16_t *out,
                          const int64_t *lengths, int64_t rows, int64_t heads,
                          int64_t kv_heads, int64_t dim, int64_t row_stride,
@@ -36,13 +40,16 @@ typedef int (*decode_fn)(const uint16_t *q, uint16_t *k, uint16_t *v, uint16_t *
                          const uint16_t *new_k, const uint16_t *new_v,
                          int64_t new_row_stride, int64_t new_head_stride);
 
-/* Mirrored by ctypes Structures in decode_layers.py: keep the field order. */
+/* Mirrored by ctypes Structures in step_layers.py: keep the field order. */
 struct kernels {
     rms_norm_fn rms_norm;
     linear_fn linear;
     rotary_fn rotary;
     silu_rows_fn silu_rows;
     decode_fn decode;
+    prompt_fn prompt;       /* the one-query prompt loop */
+    prompt_fn prompt_tiled; /* the tiled one (NULL: not built); -1 where it does not apply */
+    int64_t tiled_min_tokens;
     const float *silu; /* fused_layers.silu_table() */
 };
 
@@ -61,10 +68,12 @@ struct shape {
     int64_t hidden, heads, kv_heads, dim, inter;
 };
 
-/* One decoding segment (rows of one KV group): its tokens [token_start, token_start +
- * rows), each row attending below ends[i] (at most max_end); its group's strides. */
+/* A decoding segment (kind 0: rows of one KV group, one token each, row i attending below
+ * ends[i], at most max_end) or a prompt (kind 1: `rows` tokens of one row at slots start,
+ * start + 1, ..., causal over the row's slots): its tokens [token_start, token_start +
+ * rows) and its group's strides. */
 struct segment {
-    int64_t token_start, rows, max_end, row_stride, head_stride;
+    int64_t kind, token_start, rows, max_end, start, row_stride, head_stride;
     const int64_t *ends;
 };
 
@@ -107,11 +116,23 @@ static void add_into(uint16_t *h, const uint16_t *d, int64_t n) {
     }
 }
 
-/* hidden [tokens, hidden] (bfloat16, updated in place) through `count` decoder layers of a
- * decoding step: cos, sin [tokens, dim]; k_ptrs / v_ptrs [count][segments] each segment's
- * KV buffer of that layer from its first row on. Returns 0, or the first kernel's
- * non-zero status. */
-int decode_layers(const struct kernels *kn, const struct shape *sh, const struct layer *layers,
+/* A prompt's new keys and values (k_rot, v_heads [kv_heads, tokens, dim], its tokens from
+ * a on) into its row's slots start.. of k, v (the row's buffers). */
+static void write_prompt_kv(const struct segment *S, const struct scratch *s, int64_t tokens,
+                            int64_t kvh, int64_t dim, uint16_t *k, uint16_t *v) {
+    const size_t bytes = (size_t)(S->rows * dim) * 2;
+    for (int64_t h = 0; h < kvh; h++) {
+        const int64_t from = (h * tokens + S->token_start) * dim;
+        const int64_t to = h * S->head_stride + S->start * dim;
+        memcpy(k + to, s->k_rot + from, bytes);
+        memcpy(v + to, s->v_heads + from, bytes);
+    }
+}
+
+/* hidden [tokens, hidden] (bfloat16, updated in place) through `count` decoder layers:
+ * cos, sin [tokens, dim]; k_ptrs / v_ptrs [count][segments] each segment's KV buffer of
+ * that layer from its (first) row on. Returns 0, or the first kernel's non-zero status. */
+int step_layers(const struct kernels *kn, const struct shape *sh, const struct layer *layers,
                   int64_t count, uint16_t *hidden, int64_t tokens, const uint16_t *cos,
                   const uint16_t *sin, const struct segment *segments, int64_t nseg,
                   uint16_t *const *k_ptrs, uint16_t *const *v_ptrs, const struct scratch *s) {
@@ -134,14 +155,31 @@ int decode_layers(const struct kernels *kn, const struct shape *sh, const struct
                 memcpy(s->v_heads + (h * tokens + t) * dim, s->qkv + t * width + qc + kc + h * dim,
                        (size_t)dim * 2);
         }
+        /* every prompt's keys and values first, as the per-layer path writes them */
+        for (int64_t g = 0; g < nseg; g++)
+            if (segments[g].kind == 1)
+                write_prompt_kv(&segments[g], s, tokens, kvh, dim, k_ptrs[l * nseg + g],
+                                v_ptrs[l * nseg + g]);
         for (int64_t g = 0; g < nseg; g++) {
             const struct segment *S = &segments[g];
             const int64_t a = S->token_start;
-            status = kn->decode(s->q_rows + a * qc, k_ptrs[l * nseg + g], v_ptrs[l * nseg + g],
-                                s->attn + a * qc, S->ends, S->rows, heads, kvh, dim,
-                                S->row_stride, S->head_stride, L->scaling, L->window,
-                                S->max_end, s->k_rot + a * dim, s->v_heads + a * dim, dim,
-                                tokens * dim);
+            uint16_t *k = k_ptrs[l * nseg + g], *v = v_ptrs[l * nseg + g];
+            if (S->kind == 0) {
+                status = kn->decode(s->q_rows + a * qc, k, v, s->attn + a * qc, S->ends,
+                                    S->rows, heads, kvh, dim, S->row_stride, S->head_stride,
+                                    L->scaling, L->window, S->max_end, s->k_rot + a * dim,
+                                    s->v_heads + a * dim, dim, tokens * dim);
+            } else {
+                status = -1;
+                if (S->rows >= kn->tiled_min_tokens && kn->prompt_tiled)
+                    status = kn->prompt_tiled(s->q_rows + a * qc, k, v, s->attn + a * qc,
+                                              S->start, S->rows, heads, kvh, dim,
+                                              S->head_stride, L->scaling, L->window);
+                if (status == -1)
+                    status = kn->prompt(s->q_rows + a * qc, k, v, s->attn + a * qc, S->start,
+                                        S->rows, heads, kvh, dim, S->head_stride, L->scaling,
+                                        L->window);
+            }
             if (status)
                 return status;
         }

@@ -1,0 +1,194 @@
+"""A step's layers in one C call (kernels/step_layers.py) against the layer
+loop's calls from Python, on generated bfloat16 models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker_service.kernels import step_layers, dpbf16_linear
+
+needs_library = pytest.mark.skipif(
+    dpbf16_linear.library() is None or step_layers.library() is None,
+    reason="no AVX512-BF16 or no C compiler here: steps call each layer")
+
+
+def _runner(tmp_path, arch: str, size: str, seed: int = 1):
+    from worker_service.fixtures import make_model
+    from worker_service.model_runner import ModelRunner
+
+    model = make_model(tmp_path / f"{arch}-{size}", arch=arch, size=size, dtype="bfloat16",
+                       seed=seed)
+    return ModelRunner(str(model), dtype="bfloat16")
+
+
+def _steps(runner, vocab: int, steps: int) -> list[torch.Tensor]:
+    """A served run in miniature over two KV groups: three prompts in one step (one long
+    enough for the tiled prompt loop); a prompt's first chunk beside those rows' decoding;
+    its second chunk (40 tokens after its slots 0-19: the tiled loop) and a whole prompt
+    beside them; then `steps`
+    decoding steps over all five rows. Every step's hidden states [tokens, hidden]."""
+    from worker_service.kv_groups import KVGroup
+    from worker_service.packed_batch import PackedBatch
+
+    def ids(n, salt):
+        return [(i * 7919 + salt * 131 + 11) % (vocab - 3) + 3 for i in range(n)]
+
+    a, b = KVGroup(runner.kv_shape), KVGroup(runner.kv_shape)
+    room = 60 + steps + 4
+    for r in range(3):
+        a.add_empty_row(r, room)
+    for r in range(2):
+        b.add_empty_row(r, room)
+    out, nxt = [], {}
+
+    def run(batch, rows):
+        """rows: (group, row, new length) for each segment in order, whose last token
+        yields the row's next token."""
+        hidden = runner.forward(batch)
+        out.append(hidden)
+        logits = runner.logits(hidden)
+        ends = [seg.token_start + seg.num_tokens for seg in batch.segments]
+        k = 0
+        for seg, end in zip(batch.segments, ends):
+            if hasattr(seg, "row_start"):
+                for i in range(seg.num_tokens):
+                    g, r, n = rows[k]
+                    nxt[id(g), r] = int(logits[seg.token_start + i].argmax())
+                    g.fill(r, n)
+                    k += 1
+            else:
+                g, r, n = rows[k]
+                nxt[id(g), r] = int(logits[end - 1].argmax())
+                g.fill(r, n)
+                k += 1
+
+    def decode(batch, g):
+        batch.add_decode(g, 0, g.rows, [nxt[id(g), r] for r in range(g.rows)])
+        return [(g, r, g.length(r) + 1) for r in range(g.rows)]
+
+    with torch.inference_mode():
+        batch = PackedBatch(runner.device, runner.layer_attention)
+        lengths = (37, 5, 21)
+        for r, n in enumerate(lengths):
+            batch.add_row(a, r, ids(n, r), 0)
+        run(batch, [(a, r, n) for r, n in enumerate(lengths)])
+        long_prompt = ids(60, 7)
+        batch = PackedBatch(runner.device, runner.layer_attention)
+        rows = decode(batch, a)
+        batch.add_row(b, 0, long_prompt[:20], 0)
+        run(batch, rows + [(b, 0, 20)])
+        batch = PackedBatch(runner.device, runner.layer_attention)
+        rows = decode(batch, a)
+        batch.add_row(b, 0, long_prompt[20:], 20)
+        batch.add_row(b, 1, ids(12, 9), 0)
+        run(batch, rows + [(b, 0, 60), (b, 1, 12)])
+        for _ in range(steps):
+            batch = PackedBatch(runner.device, runner.layer_attention)
+            rows = decode(batch, a) + decode(batch, b)
+            run(batch, rows)
+    return out
+
+
+@needs_library
+@pytest.mark.parametrize("arch,size", [("llama", "tiny"), ("qwen2", "odd"), ("mistral", "odd"),
+                                       ("llama", "wide")])
+def test_steps_in_one_call_have_the_bits_of_the_per_layer_calls(tmp_path, arch, size,
+                                                                 monkeypatch):
+    """Every step's hidden states, prompts, chunks and decoding rows, equal bit for bit.
+    Qwen2 brings q/k/v biases and a sliding window above layer 0, Mistral a window on every
+    layer, the odd size a head of 12 (the attention's generic loops), the wide one an MLP of
+    2048."""
+    runner = _runner(tmp_path, arch, size)
+    loop = runner.layer_loop
+    assert loop is not None and loop.step_layers is not None
+    counted: list = []
+    forward = step_layers.StepLayers.forward
+
+    def counting(self, *args):
+        counted.append(1)
+        return forward(self, *args)
+
+    monkeypatch.setattr(step_layers.StepLayers, "forward", counting)
+    vocab = runner.facts.vocab_size
+    fast = _steps(runner, vocab, 12)
+    assert len(counted) == 15  # every step
+    call, loop.step_layers = loop.step_layers, None
+    slow = _steps(runner, vocab, 12)
+    loop.step_layers = call
+    assert len(counted) == 15
+    assert len(fast) == len(slow) == 15
+    for i, (f, s) in enumerate(zip(fast, slow)):
+        assert torch.equal(f, s), f"step {i}"
+
+
+@needs_library
+def test_greedy_tokens_equal_the_unprepacked_forwards(tmp_path):
+    from worker_service.model_runner import ModelRunner
+
+    runner = _runner(tmp_path, "llama", "tiny", seed=2)
+    plain = ModelRunner(str(tmp_path / "llama-tiny"), dtype="bfloat16", prepack=False)
+    assert runner.layer_loop.step_layers is not None
+    assert plain.layer_loop is None or plain.layer_loop.step_layers is None
+    got = _steps(runner, runner.facts.vocab_size, 16)
+    want = _steps(plain, runner.facts.vocab_size, 16)
+    assert [runner.logits(h).argmax(-1).tolist() for h in got] == \
+        [plain.logits(h).argmax(-1).tolist() for h in want]
+
+
+def _decode_batch(runner, group):
+    from worker_service.packed_batch import PackedBatch
+
+    batch = PackedBatch(runner.device, runner.layer_attention)
+    batch.add_decode(group, 0, 1, [5])
+    return batch
+
+
+@needs_library
+def test_candidate_trees_and_autograd_keep_the_per_layer_calls(tmp_path):
+    from worker_service.kv_groups import KVGroup
+    from worker_service.packed_batch import PackedBatch
+
+    runner = _runner(tmp_path, "llama", "tiny")
+    call = runner.layer_loop.step_layers
+    group = KVGroup(runner.kv_shape)
+    for r in range(2):
+        group.add_empty_row(r, 32)
+    group.fill(0, 4)
+    hidden = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    cos = torch.zeros(1, 1, 16, dtype=torch.bfloat16)
+    assert not call.takes(_decode_batch(runner, group), hidden, cos)  # autograd on
+    with torch.inference_mode():
+        decode = _decode_batch(runner, group)
+        assert call.takes(decode, hidden, cos)
+        mixed = PackedBatch(runner.device, runner.layer_attention)
+        mixed.add_decode(group, 0, 1, [5])
+        mixed.add_row(group, 1, [5, 6], 0)
+        assert call.takes(mixed, torch.zeros(1, 3, 64, dtype=torch.bfloat16),
+                          torch.zeros(1, 3, 16, dtype=torch.bfloat16))
+        tree = PackedBatch(runner.device, runner.layer_attention)
+        tree.add_row(group, 0, [5, 6], 4, tree=True)
+        assert not call.takes(tree, torch.zeros(1, 2, 64, dtype=torch.bfloat16),
+                              torch.zeros(1, 2, 16, dtype=torch.bfloat16))
+        assert not call.takes(decode, hidden.float(), cos)
+
+
+@needs_library
+def test_layers_without_the_c_pieces_or_with_the_switch_off_keep_the_per_layer_calls(
+        tmp_path, monkeypatch):
+    from worker_service.model_runner import ModelRunner
+
+    _runner(tmp_path, "llama", "tiny")
+    model = str(tmp_path / "llama-tiny")
+    monkeypatch.setattr(step_layers, "library", lambda: None)
+    loop = ModelRunner(model, dtype="bfloat16").layer_loop
+    assert loop is not None and loop.step_layers is None
+    monkeypatch.undo()
+    monkeypatch.setattr(dpbf16_linear, "library", lambda: None)  # products on oneDNN
+    loop = ModelRunner(model, dtype="bfloat16").layer_loop
+    assert loop is not None and loop.step_layers is None
+    monkeypatch.undo()
+    assert ModelRunner(model, dtype="bfloat16").layer_loop.step_layers is not None
+    # float32 models keep the per-layer calls
+    loop = ModelRunner(model, dtype="float32").layer_loop
+    assert loop is None or loop.step_layers is None
