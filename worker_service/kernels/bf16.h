@@ -67,6 +67,18 @@ static inline __m512 load16(const uint16_t *p) {
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+/* As store16, rounding subnormals as torch does (the conversion instruction flushes them
+ * to zero) and every NaN to float_to_bf16's quiet NaN: float_to_bf16 on 16 lanes. */
+static inline void store16_exact(uint16_t *p, __m512 v) {
+    const __m512i b = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+}
+
 /* exp(x) for x <= 0 (scores minus their maximum), 16 lanes: x = n ln2 + r, |r| <= ln2 / 2,
  * exp(r) by its degree-6 Taylor polynomial (relative error below 2e-7, about one float32
  * ulp), times 2^n. Lanes below -87 give 0, as expf underflows there. */

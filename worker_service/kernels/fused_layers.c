@@ -26,17 +26,6 @@ static inline void store16(uint16_t *p, __m512 v) {
     _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-/* As store16, rounding subnormals as torch does (the conversion instruction flushes them
- * to zero) and every NaN to float_to_bf16's quiet NaN: float_to_bf16 on 16 lanes. */
-static inline void store16_exact(uint16_t *p, __m512 v) {
-    const __m512i b = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40));
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
-}
 #endif
 
 /* rsqrt(mean(x^2) + eps) of one row of n, bfloat16 (uint16) where bf16 is set, else

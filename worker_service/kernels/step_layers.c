@@ -99,17 +99,8 @@ static void add_into(uint16_t *h, const uint16_t *d, int64_t n) {
         const int64_t hi = b * 1024 + 1024 < n ? b * 1024 + 1024 : n;
         int64_t i = b * 1024;
 #ifdef HAVE_AVX512_BF16
-        const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
-        for (; i + 16 <= hi; i += 16) {
-            const __m512 s = _mm512_add_ps(load16(h + i), load16(d + i));
-            const __mmask16 nan = _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q);
-            if (nan) /* the element loop's quiet NaN */
-                break;
-            const __m512i bits = _mm512_castps_si512(s);
-            const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
-            const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, half)), 16);
-            _mm256_storeu_si256((__m256i *)(h + i), _mm512_cvtepi32_epi16(r));
-        }
+        for (; i + 16 <= hi; i += 16)
+            store16_exact(h + i, _mm512_add_ps(load16(h + i), load16(d + i)));
 #endif
         for (; i < hi; i++)
             h[i] = float_to_bf16(bf16_to_float(h[i]) + bf16_to_float(d[i]));

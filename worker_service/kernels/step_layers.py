@@ -23,6 +23,7 @@ import ctypes
 import functools
 import logging
 import types
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -115,6 +116,57 @@ def _stacked(slices) -> PrepackedLinear | None:
     return linear if linear is not None and linear.out_features == parts[-1].hi else None
 
 
+@dataclass(frozen=True)
+class _Pieces:
+    """What the C call runs of one layer loop `_Layer`."""
+
+    input_norm: tuple[torch.Tensor, float]  # weight, epsilon
+    post_norm: tuple[torch.Tensor, float]
+    qkv: PrepackedLinear
+    o: PrepackedLinear
+    gate_up: PrepackedLinear
+    down: PrepackedLinear
+    shape: tuple[int, int, int, int, int]  # _Shape's fields
+
+
+def _pieces(layer) -> _Pieces | str:
+    """The C pieces of a layer loop `_Layer`, or why it has none the call can run."""
+    input_norm, post_norm = _norm(layer.input_norm), _norm(layer.post_norm)
+    if input_norm is None or post_norm is None:
+        return "a norm is not the C norm"
+    qkv = _stacked((layer.q_proj, layer.k_proj, layer.v_proj))
+    if qkv is None:
+        return "q, k and v are not one stacked C product"
+    if not hasattr(layer.rotary, "seqserve_original"):
+        return "the rotary embedding is not the C loop's"
+    o = (_c_linear(layer.o_proj.__self__) if isinstance(layer.o_proj, types.MethodType)
+         else None)
+    if o is None:
+        return "an output projection is not a C product"
+    if getattr(layer.mlp, "__func__", None) is not fused_layers._silu_mul:
+        return "an MLP is not the C SiLU gate product"
+    mlp = layer.mlp.__self__
+    gate_up = (_stacked((mlp.gate_proj.forward, mlp.up_proj.forward))
+               if isinstance(getattr(mlp, "gate_proj", None), fused_projections.ProductSlice)
+               else None)
+    down = _c_linear(mlp.down_proj)
+    if gate_up is None or down is None:
+        return "an MLP's products are not stacked C products"
+    if layer.head_dim % 2:
+        return "an odd head size"
+    hidden, dim = input_norm[0].shape[0], layer.head_dim
+    q_cols = layer.q_proj.__self__.hi
+    kv_cols = layer.k_proj.__self__.hi - q_cols
+    inter = gate_up.out_features // 2
+    if (o.in_features != q_cols or o.out_features != hidden or down.in_features != inter
+            or down.out_features != hidden
+            or layer.v_proj.__self__.hi - layer.k_proj.__self__.hi != kv_cols
+            or qkv.in_features != hidden or gate_up.in_features != hidden):
+        return "a layer's products do not chain"
+    return _Pieces(input_norm, post_norm, qkv, o, gate_up, down,
+                   (hidden, q_cols // dim, kv_cols // dim, dim, inter))
+
+
 class StepLayers:
     """The C call over a layer loop's layers; `build` says whether they can take it."""
 
@@ -130,6 +182,12 @@ class StepLayers:
         self._layers = (_Layer * len(layers))(*layers)
         self._count = len(layers)
         self._shape = shape
+        # Each scratch buffer's width per token (step_layers.c's struct scratch).
+        heads, kv = shape.heads * shape.dim, shape.kv_heads * shape.dim
+        self._scratch_widths = dict(
+            normed=shape.hidden, qkv=heads + 2 * kv, q_rot=heads, k_rot=kv, v_heads=kv,
+            q_rows=heads, attn=heads, product=shape.hidden, gate_up=2 * shape.inter,
+            act=shape.inter)
         self._keep = keep  # the tensors whose addresses the structures hold
         self._windows: tuple | None = None
 
@@ -137,74 +195,33 @@ class StepLayers:
     def build(cls, loop_layers) -> "StepLayers | None":
         """For LayerLoop's `_Layer`s; None (and why, logged) where any layer has a piece
         the C call does not run, or a library is missing."""
-        reason = cls._unsupported(loop_layers)
+        reason, pieces = None, []
+        if not loop_layers:
+            reason = "no layers"
+        elif (library() is None or dpbf16_linear.library() is None
+              or fused_layers.library() is None or fused_layers.silu_table() is None
+              or native_attention.kernel() is None):
+            reason = "a library is missing"
+        elif [layer.index for layer in loop_layers] != list(range(len(loop_layers))):
+            reason = "layer indices are not 0, 1, ..."
+        else:
+            pieces = [_pieces(layer) for layer in loop_layers]
+            reason = next((p for p in pieces if isinstance(p, str)), None)
+            if reason is None and len({p.shape for p in pieces}) > 1:
+                reason = "layers of several shapes"
         if reason is not None:
             logger.info("steps call each layer from Python: %s", reason)
             return None
-        layers, keep, shape = [], [], None
-        for layer in loop_layers:
-            (w_in, eps_in), (w_post, eps_post) = _norm(layer.input_norm), _norm(layer.post_norm)
-            qkv = _stacked((layer.q_proj, layer.k_proj, layer.v_proj))
-            mlp = layer.mlp.__self__
-            gate_up = _stacked((mlp.gate_proj.forward, mlp.up_proj.forward))
-            o, down = _c_linear(layer.o_proj.__self__), _c_linear(mlp.down_proj)
-            q_cols = layer.q_proj.__self__.hi
-            kv_cols = layer.k_proj.__self__.hi - q_cols
-            this = _Shape(w_in.shape[0], q_cols // layer.head_dim, kv_cols // layer.head_dim,
-                          layer.head_dim, gate_up.out_features // 2)
-            if shape is not None and tuple(getattr(this, f) for f, _ in _Shape._fields_) != \
-                    tuple(getattr(shape, f) for f, _ in _Shape._fields_):
-                logger.info("steps call each layer from Python: layers of "
-                            "several shapes")
-                return None
-            shape = this
-            if (o.in_features != q_cols or o.out_features != this.hidden
-                    or down.in_features != this.inter or down.out_features != this.hidden
-                    or layer.v_proj.__self__.hi - layer.k_proj.__self__.hi != kv_cols
-                    or qkv.in_features != this.hidden or gate_up.in_features != this.hidden):
-                logger.info("steps call each layer from Python: a layer's products "
-                            "do not chain")
-                return None
-            keep += [w_in, w_post, qkv, o, gate_up, down]
+        layers, keep = [], []
+        for layer, p in zip(loop_layers, pieces):
+            (w_in, eps_in), (w_post, eps_post) = p.input_norm, p.post_norm
+            keep += [w_in, w_post, p.qkv, p.o, p.gate_up, p.down]
             layers.append(_Layer(
                 _ptr(w_in), _ptr(w_post), eps_in, eps_post,
-                _ptr(qkv.packed_weight), _ptr(qkv.bias), _ptr(o.packed_weight), _ptr(o.bias),
-                _ptr(gate_up.packed_weight), _ptr(gate_up.bias), _ptr(down.packed_weight),
-                _ptr(down.bias), float(layer.scaling), 0))
-        return cls(layers, shape, keep)
-
-    @staticmethod
-    def _unsupported(loop_layers) -> str | None:
-        if not loop_layers:
-            return "no layers"
-        if library() is None or dpbf16_linear.library() is None:
-            return "a library is missing"
-        if (fused_layers.library() is None or fused_layers.silu_table() is None
-                or native_attention.kernel() is None):
-            return "a library is missing"
-        indices = [layer.index for layer in loop_layers]
-        if indices != list(range(len(loop_layers))):
-            return "layer indices are not 0, 1, ..."
-        for layer in loop_layers:
-            if _norm(layer.input_norm) is None or _norm(layer.post_norm) is None:
-                return "a norm is not the C norm"
-            if _stacked((layer.q_proj, layer.k_proj, layer.v_proj)) is None:
-                return "q, k and v are not one stacked C product"
-            if not hasattr(layer.rotary, "seqserve_original"):
-                return "the rotary embedding is not the C loop's"
-            if not isinstance(layer.o_proj, types.MethodType) or _c_linear(
-                    layer.o_proj.__self__) is None:
-                return "an output projection is not a C product"
-            mlp = getattr(layer.mlp, "__self__", None)
-            if getattr(layer.mlp, "__func__", None) is not fused_layers._silu_mul:
-                return "an MLP is not the C SiLU gate product"
-            if (not isinstance(getattr(mlp, "gate_proj", None), fused_projections.ProductSlice)
-                    or _stacked((mlp.gate_proj.forward, mlp.up_proj.forward)) is None
-                    or _c_linear(mlp.down_proj) is None):
-                return "an MLP's products are not stacked C products"
-            if layer.head_dim % 2:
-                return "an odd head size"
-        return None
+                _ptr(p.qkv.packed_weight), _ptr(p.qkv.bias), _ptr(p.o.packed_weight),
+                _ptr(p.o.bias), _ptr(p.gate_up.packed_weight), _ptr(p.gate_up.bias),
+                _ptr(p.down.packed_weight), _ptr(p.down.bias), float(layer.scaling), 0))
+        return cls(layers, _Shape(*pieces[0].shape), keep)
 
     def takes(self, batch, hidden: torch.Tensor, cos: torch.Tensor) -> bool:
         """Whether this step can take the call: decoding rows and prompts (no candidate
@@ -229,12 +246,11 @@ class StepLayers:
 
     def forward(self, batch, hidden: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> torch.Tensor:
+        """hidden [1, tokens, hidden] (the embeddings; not changed) through every layer,
+        each segment's new keys and values written to its group; returns the last layer's
+        hidden states [1, tokens, hidden]. Call only where `takes`."""
         from worker_service.packed_batch import DecodeSegment
 
-        """hidden [1, tokens, hidden] (the embeddings; not changed) through every layer,
-        each segment's new keys and values written to its group;
-        returns the last layer's hidden states [1, tokens, hidden]. Call only where
-        `takes`."""
         windows = tuple(spec.window or 0 for spec in batch.layers) if batch.layers else ()
         if windows != self._windows:
             for i in range(self._count):
@@ -262,13 +278,8 @@ class StepLayers:
                          if decoding else
                          _Segment(1, seg.token_start, seg.num_tokens, 0, seg.start,
                                   keys[0].stride(0), keys[0].stride(1), None))
-        width = (sh.heads + 2 * sh.kv_heads) * sh.dim
-        sizes = {"normed": sh.hidden, "qkv": width, "q_rot": sh.heads * sh.dim,
-                 "k_rot": sh.kv_heads * sh.dim, "v_heads": sh.kv_heads * sh.dim,
-                 "q_rows": sh.heads * sh.dim, "attn": sh.heads * sh.dim,
-                 "product": sh.hidden, "gate_up": 2 * sh.inter, "act": sh.inter}
-        buffers = {name: torch.empty(tokens, sizes[name], dtype=torch.bfloat16)
-                   for name in _SCRATCH}
+        buffers = {name: torch.empty(tokens, width, dtype=torch.bfloat16)
+                   for name, width in self._scratch_widths.items()}
         scratch = _Scratch(*(buffers[name].data_ptr() for name in _SCRATCH))
         status = library().step_layers(
             ctypes.byref(self._kernels), ctypes.byref(sh), self._layers, self._count,
