@@ -18,8 +18,8 @@ from bench.peer_systems import PEERS
 from bench.workload import ARRIVALS, WORKLOADS
 
 COMMANDS = ("throughput", "sweep", "partition", "prefix", "serve", "peers", "ceiling", "matrix",
-            "matrix-median", "all", "scheduler-cost", "replicas", "policies", "offline-batch", "length-prediction",
-            "policy-sim")
+            "matrix-median", "all", "scheduler-cost", "replicas", "policies", "offline-batch",
+            "length-prediction", "policy-sim")
 
 
 def _floats(text: str) -> list[float]:
