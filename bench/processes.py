@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LOG_TAIL = 4000  # characters of a process's log quoted when it fails to start
+FREE_PORTS_BELOW = 12000  # how many ports under the ephemeral range free_port draws from
 
 
 def _failed(what: str, log: Path) -> str:
@@ -69,13 +71,37 @@ def wait_serving(address: str, proc: subprocess.Popen, log: Path, timeout: float
     raise TimeoutError(_failed(f"{address} not SERVING after {timeout:.0f} s", log))
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out for bind(0) and as outgoing connections' source."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port no process listens on now, for a process that must be named to another
-    before it starts (the kernel deals ephemeral ports out in a spread, so one given back
-    is rarely taken again within the seconds before its new owner binds it)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    before it starts.
+
+    It is drawn below the kernel's ephemeral range. A port from that range, given back
+    and named to a scheduler that dials it before its worker binds it, can be taken in
+    between: by another bind(0), or by the scheduler's own dial, which the kernel may
+    give that very port as source and so connect to itself (TCP simultaneous open),
+    leaving the worker "Address already in use". Ports below the range are never
+    handed out that way."""
+    low, _ = _ephemeral_range()
+    first = max(1024, low - FREE_PORTS_BELOW)
+    draw = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(200):
+        port = draw.randrange(first, low) if low > first else 0
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise RuntimeError(f"no free port on {host} in {first}..{low - 1} after 200 tries")
 
 
 @dataclass

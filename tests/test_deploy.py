@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -149,11 +148,10 @@ def _probe(code: str) -> int:
 def test_compose_healthchecks_probe_readiness(llama_dir, tmp_path):
     """The health-check one-liners fail while a process is not SERVING and pass once it is."""
     from bench.deployment import Deployment
+    from bench.processes import free_port
 
     d = Deployment(llama_dir, tmp_path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        worker_port = s.getsockname()[1]
+    worker_port = free_port()
     try:
         assert _probe(_healthcheck("worker", worker_port)) != 0  # nothing listening yet
         d.start_scheduler(worker_port=worker_port, wait_ready=False)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -14,14 +13,9 @@ import urllib.request
 import pytest
 
 from bench.deployment import Deployment
-from bench.processes import health_status
+from bench.processes import free_port, health_status
 from client import Client
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_readiness_follows_the_worker(llama_dir, tmp_path):

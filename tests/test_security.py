@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import ssl
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.deployment import Deployment
-from bench.processes import health_status
+from bench.processes import free_port, health_status
 from client import AsyncClient, Client
 from client import cli
 from seqserve_common import tls
@@ -91,11 +90,6 @@ def _creds(certs, ca="ca.pem", client: str | None = None) -> grpc.ChannelCredent
 
 
 # --- helpers for processes whose health check needs TLS -------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def secure_health(address: str, creds: grpc.ChannelCredentials, timeout: float = 2.0) -> str:
