@@ -68,6 +68,26 @@ def test_a_row_has_the_same_bits_at_every_row_count():
 
 
 @needs_library
+def test_the_bits_do_not_depend_on_the_thread_count():
+    """Teams of 1 to 7 threads (more than this machine's cores: some lose their core
+    mid-product) split the columns their own way; every column must still be written,
+    with the same bits as one thread's."""
+    before = torch.get_num_threads()
+    shapes = [(1, 576, 960), (3, 576, 576), (64, 1536, 576), (130, 576, 3072), (9, 64, 70)]
+    operands = [_operands(rows, k, n, True, seed=rows + n) for rows, k, n in shapes]
+    try:
+        torch.set_num_threads(1)
+        alone = [_product(x, w, b) for x, w, b in operands]
+        for threads in range(2, 8):
+            torch.set_num_threads(threads)
+            for _ in range(20 if threads > 2 else 5):
+                for (x, w, b), want in zip(operands, alone):
+                    assert torch.equal(_product(x, w, b), want), (threads, x.shape, w.shape)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_library
 def test_odd_widths_other_dtypes_and_no_rows():
     assert not dpbf16_linear.takes(torch.zeros(8, 7, dtype=torch.bfloat16))
     assert not dpbf16_linear.takes(torch.zeros(8, 8))
