@@ -21,6 +21,10 @@
 
 #include "bf16.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #define MAX_DIM 512
 /* (row, head) pairs below which a call stays on one thread. */
 #define MIN_PAIRS_PER_THREAD 16
@@ -430,14 +434,51 @@ static inline void attend_pair(const char *q, const char *k, const char *v, char
                lengths ? lengths[r] : start + r + 1, dim, scale, window, scores, bf16);
 }
 
+/* This thread's share [*lo, *hi) of rows x per_row units (unit u is of row u / per_row)
+ * when decoding rows of several lengths are split over the team: contiguous, and about
+ * the same number of slots to read each (a unit costs its row's visible slots plus a
+ * fixed 16 for its query and output). Equal unit counts would give the thread with the
+ * longer rows more to read while the other waits at the barrier: 1.23x the balanced time
+ * for 64 rows of 100-1000 slots in order. Which thread computes a unit does not change
+ * its bits. */
+static void share_by_length(const int64_t *lengths, int64_t rows, int64_t per_row,
+                            int64_t window, int64_t *lo, int64_t *hi) {
+    int64_t t = 0, threads = 1;
+#ifdef _OPENMP
+    t = omp_get_thread_num();
+    threads = omp_get_num_threads();
+#endif
+    const int64_t units = rows * per_row;
+#define UNIT_COST(u)                                                                      \
+    ((window > 0 && lengths[(u) / per_row] > window ? window : lengths[(u) / per_row]) + 16)
+    int64_t total = 0;
+    for (int64_t u = 0; u < units; u++)
+        total += UNIT_COST(u);
+    /* A unit goes to the thread whose part of the total it starts in. */
+    const int64_t from = total * t / threads, to = total * (t + 1) / threads;
+    int64_t before = 0, first = units, last = units;
+    for (int64_t u = 0; u < units; u++) {
+        if (first == units && before >= from)
+            first = u;
+        if (before >= to) {
+            last = u;
+            break;
+        }
+        before += UNIT_COST(u);
+    }
+#undef UNIT_COST
+    *lo = first;
+    *hi = last;
+}
+
 /* Each (row, head) pair of q attends through attend_one, split over torch's OpenMP team
  * when built with -fopenmp (the library then shares torch's runtime, the same
  * libgomp.so.1 already loaded, so the threads are torch's own team, not a second set
  * competing for the cores). Row r's keys start r * row_stride in, and it attends below
- * lengths[r] or, for a prompt (lengths NULL), below start + r + 1. Decoding rows of a
- * group have similar lengths and take static shares; a prompt's later queries read more
- * slots, so its pairs are dealt out in small chunks. Returns 0, or -1 for a shape it does
- * not take, -2 when memory ran out. */
+ * lengths[r] or, for a prompt (lengths NULL), below start + r + 1. Decoding rows take
+ * shares by their lengths; a prompt's later queries read more slots, so its pairs are
+ * dealt out in small chunks. Returns 0, or -1 for a shape it does not take, -2 when
+ * memory ran out. */
 static int attend_pairs(const void *q, const void *k, const void *v, void *out,
                         const int64_t *lengths, int64_t start, int64_t rows, int64_t heads,
                         int64_t kv_heads, int64_t dim, int64_t row_stride,
@@ -455,8 +496,9 @@ static int attend_pairs(const void *q, const void *k, const void *v, void *out,
             status = -2;
         }
         if (lengths) {
-#pragma omp for schedule(static)
-            for (int64_t pair = 0; pair < pairs; pair++)
+            int64_t lo, hi;
+            share_by_length(lengths, rows, heads, window, &lo, &hi);
+            for (int64_t pair = lo; pair < hi; pair++)
                 if (scores)
                     attend_pair(q, k, v, out, lengths, start, pair, heads, group, dim,
                                 row_stride, head_stride, scale, window, scores, bf16);
@@ -475,13 +517,13 @@ static int attend_pairs(const void *q, const void *k, const void *v, void *out,
 #ifdef HAVE_AVX512_BF16
 /* Decoding with grouped-query attention: each (row, KV head) unit takes the query heads
  * that share that KV head together (attend_group_avx512), split over torch's OpenMP team
- * as attend_pairs splits pairs. */
+ * by the rows' lengths as attend_pairs splits decoding pairs. */
 static int decode_groups_avx512(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                                 uint16_t *out, const int64_t *lengths, int64_t rows,
                                 int64_t heads, int64_t kv_heads, int64_t dim,
                                 int64_t row_stride, int64_t head_stride, float scale,
                                 int64_t window, int64_t max_len) {
-    const int64_t units = rows * kv_heads, group = heads / kv_heads;
+    const int64_t group = heads / kv_heads;
     const int64_t stride = (max_len > 0 ? max_len : 0) + 16;
     int status = 0;
 #pragma omp parallel if (rows * heads >= 2 * MIN_PAIRS_PER_THREAD)
@@ -492,8 +534,9 @@ static int decode_groups_avx512(const uint16_t *q, const uint16_t *k, const uint
 #pragma omp atomic write
             status = -2;
         }
-#pragma omp for schedule(static)
-        for (int64_t unit = 0; unit < units; unit++) {
+        int64_t lo, hi;
+        share_by_length(lengths, rows, kv_heads, window, &lo, &hi);
+        for (int64_t unit = lo; unit < hi; unit++) {
             if (!scores)
                 continue;
             const int64_t r = unit / kv_heads, j = unit % kv_heads;
