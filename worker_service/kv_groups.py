@@ -43,6 +43,13 @@ class KVShape:
         return len(self.key_heads)
 
     @property
+    def uniform(self) -> bool:
+        """Every layer's keys and values have one shape (heads, head size): a group then
+        holds them all in one buffer, and moves a row's KV in one copy, not one a layer."""
+        return len(set(self.key_heads + self.value_heads)) == 1 and \
+            len(set(self.key_dims + self.value_dims)) == 1
+
+    @property
     def bytes_per_token(self) -> int:
         elems = sum(h * d for h, d in zip(self.key_heads, self.key_dims))
         elems += sum(h * d for h, d in zip(self.value_heads, self.value_dims))
@@ -60,6 +67,9 @@ class KVGroup:
     shape: KVShape
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
+    # Where the shape is uniform: [2, layers, row_capacity, heads, length_capacity, dim],
+    # of which keys[layer] and values[layer] are views ([0, layer] and [1, layer]).
+    kv: torch.Tensor | None = field(default=None, repr=False)
     seq_ids: list[int] = field(default_factory=list)  # row -> sequence id
     # row -> KV tokens held. Only the methods below change it, each together with the
     # buffers' contents, so a length always names slots that hold the row's KV.
@@ -123,20 +133,39 @@ class KVGroup:
     def _reallocate(self, new_rows: int, new_len: int) -> None:
         s = self.shape
         keep_len = min(self.max_length, new_len)
-        new_keys, new_values = [], []
         alloc = torch.zeros if s.reads_padding else torch.empty
-        for layer in range(s.num_layers):
-            k = alloc(new_rows, s.key_heads[layer], new_len, s.key_dims[layer],
-                      dtype=s.dtype, device=s.device)
-            v = alloc(new_rows, s.value_heads[layer], new_len, s.value_dims[layer],
-                      dtype=s.dtype, device=s.device)
-            if self.keys and self.rows:
-                k[: self.rows, :, :keep_len] = self.keys[layer][: self.rows, :, :keep_len]
-                v[: self.rows, :, :keep_len] = self.values[layer][: self.rows, :, :keep_len]
-            new_keys.append(k)
-            new_values.append(v)
+        if s.uniform:
+            kv = alloc(2, s.num_layers, new_rows, s.key_heads[0], new_len, s.key_dims[0],
+                       dtype=s.dtype, device=s.device)
+            if self.kv is not None and self.rows:
+                kv[:, :, : self.rows, :, :keep_len] = self.kv[:, :, : self.rows, :, :keep_len]
+            self.kv = kv
+            new_keys, new_values = list(kv[0].unbind(0)), list(kv[1].unbind(0))
+        else:
+            new_keys, new_values = [], []
+            for layer in range(s.num_layers):
+                k = alloc(new_rows, s.key_heads[layer], new_len, s.key_dims[layer],
+                          dtype=s.dtype, device=s.device)
+                v = alloc(new_rows, s.value_heads[layer], new_len, s.value_dims[layer],
+                          dtype=s.dtype, device=s.device)
+                if self.keys and self.rows:
+                    k[: self.rows, :, :keep_len] = self.keys[layer][: self.rows, :, :keep_len]
+                    v[: self.rows, :, :keep_len] = self.values[layer][: self.rows, :, :keep_len]
+                new_keys.append(k)
+                new_values.append(v)
         self.copied_bytes += self.rows * keep_len * s.bytes_per_token
         self.keys, self.values = new_keys, new_values
+
+    def _copy_slots(self, dst_row: int, src: KVGroup, src_row: int, start: int,
+                    end: int) -> None:
+        """Slots [start, end) of every layer's keys and values, from src's row src_row to
+        this group's row dst_row: one copy where both hold one buffer."""
+        if self.kv is not None and src.kv is not None:
+            self.kv[:, :, dst_row, :, start:end] = src.kv[:, :, src_row, :, start:end]
+            return
+        for layer in range(self.shape.num_layers):
+            self.keys[layer][dst_row, :, start:end] = src.keys[layer][src_row, :, start:end]
+            self.values[layer][dst_row, :, start:end] = src.values[layer][src_row, :, start:end]
 
     def add_empty_row(self, seq_id: int, reserve_length: int) -> int:
         """Append a row for a new sequence (filled by its prefill); returns the row."""
@@ -150,9 +179,7 @@ class KVGroup:
         length = other._lengths[other_row]
         self.ensure_capacity(self.rows + 1, length + 1)
         row = self.rows
-        for layer in range(self.shape.num_layers):
-            self.keys[layer][row, :, :length] = other.keys[layer][other_row, :, :length]
-            self.values[layer][row, :, :length] = other.values[layer][other_row, :, :length]
+        self._copy_slots(row, other, other_row, 0, length)
         self.seq_ids.append(other.seq_ids[other_row])
         self._lengths.append(length)
         self.copied_bytes += length * self.shape.bytes_per_token
@@ -164,9 +191,7 @@ class KVGroup:
         only the slots past their common prefix are copied)."""
         length = self._lengths[src_row]
         start = min(start, length, self._lengths[dst_row])
-        for layer in range(self.shape.num_layers):
-            self.keys[layer][dst_row, :, start:length] = self.keys[layer][src_row, :, start:length]
-            self.values[layer][dst_row, :, start:length] = self.values[layer][src_row, :, start:length]
+        self._copy_slots(dst_row, self, src_row, start, length)
         self._lengths[dst_row] = length
         self.copied_bytes += (length - start) * self.shape.bytes_per_token
 
@@ -175,9 +200,7 @@ class KVGroup:
         last = self.rows - 1
         if row != last:
             length = self._lengths[last]
-            for layer in range(self.shape.num_layers):
-                self.keys[layer][row, :, :length] = self.keys[layer][last, :, :length]
-                self.values[layer][row, :, :length] = self.values[layer][last, :, :length]
+            self._copy_slots(row, self, last, 0, length)
             self.seq_ids[row] = self.seq_ids[last]
             self._lengths[row] = length
             self.copied_bytes += length * self.shape.bytes_per_token
