@@ -34,6 +34,9 @@ class Block:
     keys: list[torch.Tensor]  # per layer [kv_heads, block_tokens, head_dim]
     values: list[torch.Tensor]
     nbytes: int
+    # [2, layers, kv_heads, block_tokens, head_dim], of which keys and values are views,
+    # where the layers' shapes agree (None otherwise): one copy into a group row.
+    kv: torch.Tensor | None = None
     pinned: bool = False
     last_used: int = 0
 
@@ -96,6 +99,9 @@ class PrefixCache:
             n = min(bt, tokens - b * bt)
             if n <= 0:
                 break
+            if group.kv is not None and block.kv is not None:
+                group.kv[:, :, row, :, b * bt : b * bt + n] = block.kv[:, :, :, :n]
+                continue
             for layer in range(self.shape.num_layers):
                 group.keys[layer][row, :, b * bt : b * bt + n] = block.keys[layer][:, :n]
                 group.values[layer][row, :, b * bt : b * bt + n] = block.values[layer][:, :n]
@@ -126,10 +132,10 @@ class PrefixCache:
             for b, key, parent, tokens, _ in batch:
                 if self.bytes_held + nbytes > self.capacity_bytes:
                     return  # a block is no use without its parent: stop at the first miss
-                keys, values = self._block_kv(group, row, b, fresh[0][0], span)
+                keys, values, kv = self._block_kv(group, row, b, fresh[0][0], span)
                 self.blocks[key] = Block(
                     key=key, parent=parent, tokens=tokens, depth=b, keys=keys, values=values,
-                    nbytes=nbytes, pinned=pinned, last_used=self._clock)
+                    nbytes=nbytes, pinned=pinned, last_used=self._clock, kv=kv)
                 self.bytes_held += nbytes
 
     def _row_span(self, group: KVGroup, row: int, first: int, end: int) -> torch.Tensor | None:
@@ -145,16 +151,18 @@ class PrefixCache:
         return span.unflatten(3, (end - first, bt))
 
     def _block_kv(self, group: KVGroup, row: int, b: int, first: int,
-                  span: torch.Tensor | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Block b's keys and values per layer, copies that share no storage with the
-        group or with another block (so evicting a block frees its bytes)."""
+                  span: torch.Tensor | None
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
+        """Block b's keys and values per layer (and, from a span, the one tensor they are
+        views of), copies that share no storage with the group or with another block (so
+        evicting a block frees its bytes)."""
         if span is not None:
             kv = span[:, :, :, b - first].clone()  # [2, layers, heads, block_tokens, dim]
-            return list(kv[0].unbind(0)), list(kv[1].unbind(0))
+            return list(kv[0].unbind(0)), list(kv[1].unbind(0)), kv
         sl = slice(b * self.block_tokens, (b + 1) * self.block_tokens)
         layers = range(self.shape.num_layers)
         return ([group.keys[layer][row, :, sl].clone() for layer in layers],
-                [group.values[layer][row, :, sl].clone() for layer in layers])
+                [group.values[layer][row, :, sl].clone() for layer in layers], None)
 
     def _make_room(self, nbytes: int, pinned: bool) -> bool:
         if self.bytes_held + nbytes <= self.capacity_bytes:
