@@ -201,3 +201,13 @@ def test_inserted_blocks_hold_their_own_copy_of_each_layer(heads, dims):
         own = {t.untyped_storage().data_ptr() for t in block.keys + block.values}
         assert not own & storages
         storages |= own
+    # A hit writes the blocks back into a row: one copy a block where the layers agree.
+    row = group.add_empty_row(2, 6 * BLOCK)
+    cache.copy_into(blocks, reused - 5, group, row)
+    for b in range(5):
+        sl = slice(b * BLOCK, min((b + 1) * BLOCK, reused - 5))
+        for layer in range(shape.num_layers):
+            source = 0 if b >= 2 else 1
+            assert torch.equal(group.keys[layer][row, :, sl], group.keys[layer][source, :, sl])
+            assert torch.equal(group.values[layer][row, :, sl],
+                               group.values[layer][source, :, sl])

@@ -31,14 +31,24 @@ class Block:
     parent: int | None
     tokens: tuple[int, ...]
     depth: int
-    keys: list[torch.Tensor]  # per layer [kv_heads, block_tokens, head_dim]
-    values: list[torch.Tensor]
     nbytes: int
-    # [2, layers, kv_heads, block_tokens, head_dim], of which keys and values are views,
-    # where the layers' shapes agree (None otherwise): one copy into a group row.
-    kv: torch.Tensor | None = None
     pinned: bool = False
     last_used: int = 0
+    # Where the layers' shapes agree: [2, layers, kv_heads, block_tokens, head_dim], one
+    # copy into a group row. Otherwise per layer keys and values [kv_heads, block_tokens,
+    # head_dim].
+    kv: torch.Tensor | None = None
+    layer_kv: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    # Per-layer views are made when asked for, not kept per block: making 60 of them a
+    # block was 80% of caching a prompt.
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        return list(self.kv[0].unbind(0)) if self.kv is not None else self.layer_kv[0]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return list(self.kv[1].unbind(0)) if self.kv is not None else self.layer_kv[1]
 
 
 @dataclass
@@ -102,9 +112,10 @@ class PrefixCache:
             if group.kv is not None and block.kv is not None:
                 group.kv[:, :, row, :, b * bt : b * bt + n] = block.kv[:, :, :, :n]
                 continue
+            keys, values = block.keys, block.values
             for layer in range(self.shape.num_layers):
-                group.keys[layer][row, :, b * bt : b * bt + n] = block.keys[layer][:, :n]
-                group.values[layer][row, :, b * bt : b * bt + n] = block.values[layer][:, :n]
+                group.keys[layer][row, :, b * bt : b * bt + n] = keys[layer][:, :n]
+                group.values[layer][row, :, b * bt : b * bt + n] = values[layer][:, :n]
 
     def insert(self, token_ids: list[int], group: KVGroup, row: int, pin_tokens: int = 0) -> None:
         """Cache the full blocks of a just-prefilled row (blocks already held are touched)."""
@@ -132,10 +143,10 @@ class PrefixCache:
             for b, key, parent, tokens, _ in batch:
                 if self.bytes_held + nbytes > self.capacity_bytes:
                     return  # a block is no use without its parent: stop at the first miss
-                keys, values, kv = self._block_kv(group, row, b, fresh[0][0], span)
+                kv, layer_kv = self._block_kv(group, row, b, fresh[0][0], span)
                 self.blocks[key] = Block(
-                    key=key, parent=parent, tokens=tokens, depth=b, keys=keys, values=values,
-                    nbytes=nbytes, pinned=pinned, last_used=self._clock, kv=kv)
+                    key=key, parent=parent, tokens=tokens, depth=b, nbytes=nbytes,
+                    pinned=pinned, last_used=self._clock, kv=kv, layer_kv=layer_kv)
                 self.bytes_held += nbytes
 
     def _row_span(self, group: KVGroup, row: int, first: int, end: int) -> torch.Tensor | None:
@@ -151,18 +162,17 @@ class PrefixCache:
         return span.unflatten(3, (end - first, bt))
 
     def _block_kv(self, group: KVGroup, row: int, b: int, first: int,
-                  span: torch.Tensor | None
-                  ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
-        """Block b's keys and values per layer (and, from a span, the one tensor they are
-        views of), copies that share no storage with the group or with another block (so
-        evicting a block frees its bytes)."""
+                  span: torch.Tensor | None):
+        """Block b's keys and values: from a span one tensor [2, layers, heads,
+        block_tokens, dim] (and None), else None and the per-layer lists; copies that share
+        no storage with the group or with another block (so evicting a block frees its
+        bytes)."""
         if span is not None:
-            kv = span[:, :, :, b - first].clone()  # [2, layers, heads, block_tokens, dim]
-            return list(kv[0].unbind(0)), list(kv[1].unbind(0)), kv
+            return span[:, :, :, b - first].clone(), None
         sl = slice(b * self.block_tokens, (b + 1) * self.block_tokens)
         layers = range(self.shape.num_layers)
-        return ([group.keys[layer][row, :, sl].clone() for layer in layers],
-                [group.values[layer][row, :, sl].clone() for layer in layers], None)
+        return None, ([group.keys[layer][row, :, sl].clone() for layer in layers],
+                      [group.values[layer][row, :, sl].clone() for layer in layers])
 
     def _make_room(self, nbytes: int, pinned: bool) -> bool:
         if self.bytes_held + nbytes <= self.capacity_bytes:
