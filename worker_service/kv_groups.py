@@ -1,7 +1,8 @@
 """Padded KV caches, one per group of sequences, and the transformers Cache adapter over them.
 
 Layout: each group holds, per layer, a preallocated key and value buffer of shape
-[row_capacity, kv_heads, length_capacity, head_dim]. Row r holds one sequence whose
+[row_capacity, kv_heads, length_capacity, head_dim] (views of one buffer for all layers
+where their shapes agree). Row r holds one sequence whose
 tokens sit at slots 0..length-1 (start-aligned, so the padding is at the end of short
 rows). That is the same padding cost as left padding, but rows of different groups can
 be merged or split without shifting anything, and new keys are written in place at each
