@@ -17,7 +17,6 @@ from bench.processes import free_port, health_status
 from client import Client
 
 
-
 def test_readiness_follows_the_worker(llama_dir, tmp_path):
     d = Deployment(llama_dir, tmp_path)
     worker_port = free_port()

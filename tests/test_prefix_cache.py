@@ -206,8 +206,8 @@ def test_inserted_blocks_hold_their_own_copy_of_each_layer(heads, dims):
     cache.copy_into(blocks, reused - 5, group, row)
     for b in range(5):
         sl = slice(b * BLOCK, min((b + 1) * BLOCK, reused - 5))
+        source = 0 if b >= 2 else 1
         for layer in range(shape.num_layers):
-            source = 0 if b >= 2 else 1
             assert torch.equal(group.keys[layer][row, :, sl], group.keys[layer][source, :, sl])
             assert torch.equal(group.values[layer][row, :, sl],
                                group.values[layer][source, :, sl])

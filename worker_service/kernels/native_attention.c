@@ -441,6 +441,10 @@ static inline void attend_pair(const char *q, const char *k, const char *v, char
  * longer rows more to read while the other waits at the barrier: 1.23x the balanced time
  * for 64 rows of 100-1000 slots in order. Which thread computes a unit does not change
  * its bits. */
+static inline int64_t unit_cost(int64_t length, int64_t window) {
+    return (window > 0 && length > window ? window : length) + 16;
+}
+
 static void share_by_length(const int64_t *lengths, int64_t rows, int64_t per_row,
                             int64_t window, int64_t *lo, int64_t *hi) {
     int64_t t = 0, threads = 1;
@@ -449,11 +453,9 @@ static void share_by_length(const int64_t *lengths, int64_t rows, int64_t per_ro
     threads = omp_get_num_threads();
 #endif
     const int64_t units = rows * per_row;
-#define UNIT_COST(u)                                                                      \
-    ((window > 0 && lengths[(u) / per_row] > window ? window : lengths[(u) / per_row]) + 16)
     int64_t total = 0;
-    for (int64_t u = 0; u < units; u++)
-        total += UNIT_COST(u);
+    for (int64_t r = 0; r < rows; r++)
+        total += per_row * unit_cost(lengths[r], window);
     /* A unit goes to the thread whose part of the total it starts in. */
     const int64_t from = total * t / threads, to = total * (t + 1) / threads;
     int64_t before = 0, first = units, last = units;
@@ -464,9 +466,8 @@ static void share_by_length(const int64_t *lengths, int64_t rows, int64_t per_ro
             last = u;
             break;
         }
-        before += UNIT_COST(u);
+        before += unit_cost(lengths[u / per_row], window);
     }
-#undef UNIT_COST
     *lo = first;
     *hi = last;
 }
