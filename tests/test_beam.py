@@ -308,17 +308,20 @@ def test_scheduler_reserves_and_partitions_every_beam_row():
     assert sorted(map(sorted, plan.groups)) == [[1, 3], [2]]
 
 
-def test_beam_search_rules_on_scripted_log_probs():
+# On a machine with a GPU the search also runs on log-probabilities that live there, as a
+# worker on cuda gives them (its state tensors once stayed on the host and it failed).
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_beam_search_rules_on_scripted_log_probs(device):
     """k=2, EOS 3, two steps. Step 1: EOS is the best candidate (finished at -0.5) and
     tokens 0 and 1 run on; step 2 reaches max_new_tokens, so the two best candidates
     finish at length 2 and the length penalty decides the order."""
-    first = torch.tensor([[-1.0, -2.0, -3.0, -0.5]] * 2)
-    second = torch.tensor([[-0.1, -3.0, -3.0, -3.0]] * 2)
+    first = torch.tensor([[-1.0, -2.0, -3.0, -0.5]] * 2, device=device)
+    second = torch.tensor([[-0.1, -3.0, -3.0, -3.0]] * 2, device=device)
     expected = {1.0: [([3], -0.5), ([0, 0], -0.55)], 0.0: [([3], -0.5), ([0, 0], -1.1)],
                 2.0: [([0, 0], -0.275), ([3], -0.5)]}
     for penalty, result in expected.items():
         search = BeamSearch(BeamParams(num_beams=2, max_new_tokens=2, length_penalty=penalty,
-                                       num_return_sequences=2), eos_ids=(3,))
+                                       num_return_sequences=2), eos_ids=(3,), device=device)
         assert search.step(first) == [(0, 0), (0, 1)] and not search.done
         search.step(second)
         assert search.done

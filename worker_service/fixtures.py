@@ -16,6 +16,8 @@ import argparse
 import json
 import logging
 import random
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -229,10 +231,22 @@ def make_model(out: str | Path, arch: str = "llama", size: str = "tiny", dtype: 
     model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype)).eval()
     model.generation_config = GenerationConfig(
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id, do_sample=False)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    stamp_file.write_text(json.dumps(stamp))
+    # Written beside `out` and renamed into place, so that processes making the same
+    # fixture at once (pytest-xdist workers) never read a half-written one.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    (staging / stamp_file.name).write_text(json.dumps(stamp))
+    if out.exists():  # an older fixture version, or one another process just wrote
+        if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
+            shutil.rmtree(staging, ignore_errors=True)
+            return out
+        shutil.rmtree(out, ignore_errors=True)
+    try:
+        staging.rename(out)
+    except OSError:  # another process renamed its copy into place first
+        shutil.rmtree(staging, ignore_errors=True)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("wrote %s %s model (%.1f M parameters, %s) to %s", size, arch, n_params / 1e6,
                 dtype, out)

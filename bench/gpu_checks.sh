@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The checks that need an NVIDIA GPU, in one run on a lent machine (docs/gpu.md):
+#   1. the test suite with every worker on cuda (option.device=auto picks it);
+#   2. seqserve against the HF baselines on cuda, all at once (`bench peers`);
+#   3. what a preempted sequence costs to bring back, recompute against KV swap.
+# The machine has torch and no package index: our pins that differ from its image travel
+# as wheels in .whl/ (docs/gpu.md says which). Logs go to $OUT (or /tmp/gpu-checks).
+# Usage: bash bench/gpu_checks.sh [tests|peers|swap ...]   (default: all three)
+set -u
+OUT=${OUT:-/tmp/gpu-checks}
+mkdir -p "$OUT"
+STEPS=${*:-tests swap peers}
+TEST_SECONDS=${TEST_SECONDS:-180}
+TESTS=${TESTS:-tests/}
+PEERS=${PEERS:-hf,hf-cb}
+PEER_RUNS=${PEER_RUNS:-smollm2-shape:azure-conv smollm2-shape:azure-code mid:azure-conv}
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/protos PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, transformers, grpc; print('torch', torch.__version__, 'transformers', \
+transformers.__version__, 'grpcio', grpc.__version__, torch.cuda.get_device_name(0))" || exit 1
+lscpu | grep -E "^Model name|^CPU\(s\)" | tr -s ' '
+
+# SmolLM2-135M's shape (config and tokenizer from .gpu/smollm2/) with random weights: its
+# real weights are larger than what travels to the machine.
+smollm2_shape() {
+  python3 - <<'EOF'
+import torch
+from pathlib import Path
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+out = Path("models/smollm2-shape-bf16")
+if not (out / "model.safetensors").exists():
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(".gpu/smollm2")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(".gpu/smollm2").save_pretrained(out)
+print(out)
+EOF
+}
+
+for step in $STEPS; do
+  case $step in
+  tests)
+    # Fixtures first, in one process; then the suite over 12 processes, stopped with
+    # SIGINT at the cap so that pytest still prints its summary.
+    python3 -c "from tests.conftest import tiny_model, ARCHITECTURES, long_context_model
+[tiny_model(a) for a in ARCHITECTURES]; long_context_model()" >/dev/null 2>&1
+    timeout -s INT "$TEST_SECONDS" python3 -m pytest -q -n 12 -p no:cacheprovider \
+      --timeout 180 -rfE $TESTS >"$OUT/tests.log" 2>&1
+    echo "pytest exit $?"
+    grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-220 | head -40
+    tail -3 "$OUT/tests.log"
+    ;;
+  peers)
+    for run in $PEER_RUNS; do
+      m=${run%%:*} w=${run#*:} model=${run%%:*}
+      [ "$m" = smollm2-shape ] && model=$(smollm2_shape)
+      python3 -m bench peers --model "$model" --workload "$w" --peers "$PEERS" --device cuda \
+        --no-ceiling --no-floor --plot-dir '' --out "$OUT/peers-$m-$w" \
+        >"$OUT/peers-$m-$w.log" 2>&1 || { echo "peers $m $w failed"; tail -5 "$OUT/peers-$m-$w.log"; }
+      echo "$m $w"
+      sed -n '/^## seqserve and its peers/,/^Latency/p' "$OUT/peers-$m-$w/peers.md" 2>/dev/null \
+        | grep '^|'
+      grep -h "^Where seqserve" "$OUT/peers-$m-$w/peers.md"
+      grep -h "swap space\|warm-up" "$OUT/peers-$m-$w"/logs/*/*.log | cut -c1-200
+    done
+    ;;
+  swap)
+    python3 -m bench.swap_cost "$(smollm2_shape)" --lengths 128,512,2048,8192
+    python3 -m bench.swap_cost models/gqa-qwen2-bf16 --lengths 128,512,2048,8192
+    ;;
+  esac
+done
