@@ -28,6 +28,10 @@ class StepPlan:
     # (id, tokens generated, exact) of sequences that ended since the last Step: the
     # labels of the worker's length probe (exact: by EOS or stop; else a lower bound).
     finished: list[tuple[int, int, bool]] = field(default_factory=list)
+    # Preempted sequences whose KV the worker moves to host memory, and those among
+    # `prefill` whose KV comes back from there instead of a prefill (preemption.py).
+    swap_out: list[int] = field(default_factory=list)
+    swap_in: list[int] = field(default_factory=list)
 
     @property
     def prefill_tokens(self) -> int:

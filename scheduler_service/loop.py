@@ -17,14 +17,12 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Callable
 
-import grpc
-
 from scheduler_service.admission import AdmissionPolicy, Budget, FCFSAdmission, WaitingQueue
 from scheduler_service.batch_plan import BatchPlanner, StepPlan
 from scheduler_service.chunking import Chunk, StepBudget
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.output import LOCAL
-from scheduler_service.preemption import preempt
+from scheduler_service.preemption import Swapper, preempt
 from scheduler_service.recovery import recover
 from scheduler_service.sequence import FinishReason, Sequence, Status
 from scheduler_service.step_pacing import StepPacer, step_size
@@ -60,10 +58,11 @@ class IterationLoop:
                  metrics: SchedulerMetrics, max_num_batched_tokens: int, steps_in_flight: int,
                  policy: AdmissionPolicy | None = None,  # None: FCFS
                  enable_chunked_prefill: bool = True, length_labels: bool = True,
-                 step_send_lead_ms: float = 3.0):
+                 step_send_lead_ms: float = 3.0, preemption_mode: str = "auto"):
         assert worker.info is not None, "connect the worker before starting the loop"
         self.worker = worker
         self.name = worker.address  # the `worker` label of its metrics
+        self.preemption_mode = preemption_mode
         self._use(worker.info)
         self.max_batch = max_rolling_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -110,6 +109,7 @@ class IterationLoop:
         self.info = info
         self.eos_ids = info.eos_token_ids
         self.kv_budget = info.kv_capacity_tokens
+        self.swapper = Swapper(self.preemption_mode, info.swap)  # it holds no swapped KV
 
     # --- called by the front end -----------------------------------------------------------
 
@@ -153,28 +153,6 @@ class IterationLoop:
         self._stopped = True
         self._wakeup.set()
 
-    async def watch_worker(self, interval: float = 1.0, misses: int = 2) -> None:
-        """Ask the worker for Info every `interval` s while no recovery is running: readiness
-        follows a worker that dies or returns between Steps, and each answer renews this
-        scheduler's lease on the worker's sequences."""
-        missed = 0
-        while not self._stopped:
-            await asyncio.sleep(interval)
-            if self._recovering:
-                missed = 0
-                continue
-            try:
-                await self.worker.fetch_info(timeout=max(2 * interval, 2.0))
-                missed = 0
-                self._set_worker_up(True)
-            except grpc.aio.AioRpcError as exc:
-                missed += 1
-                if missed >= misses and self.worker_up:
-                    logger.error("worker %s does not answer (%s: %s)", self.worker.address,
-                                 exc.code().name, exc.details())
-                    self._set_worker_up(False)
-                    self.hand_off_waiting()
-
     def _set_worker_up(self, up: bool) -> None:
         if up != self.worker_up:
             self.worker_up = up
@@ -187,6 +165,9 @@ class IterationLoop:
         if seqs and (offer or self.on_orphans)(seqs):
             for s in seqs:
                 self.waiting.remove(s)
+                if s.swapped:  # another worker re-prefills it; this one frees its KV
+                    self.swapper.drop(s)
+                    self.to_release.append(s.seq_id)
             self._one_at_a_time = 0
             self.metrics.set_waiting(self.name, len(self.waiting))
 
@@ -273,11 +254,13 @@ class IterationLoop:
             slots = min(slots, 1)  # isolate the re-admitted sequences (see recovery.py)
         budget = Budget(slots, self.kv_budget - reserved, prefill.left, prefill.chunked,
                         background_in_flight=background_in_flight)
-        victims, budget = preempt(self.policy, self.waiting, self.running, budget)
+        victims, budget = preempt(self.policy, self.waiting, self.running, budget,
+                                  self.swapper)
         budget = replace(budget, started=tuple(s for s in self.running.values()
                                                if s.advancing and s.prefilling))
-        self.to_release += [s.seq_id for s in victims]
+        self.to_release += [s.seq_id for s in victims if not s.swapped]
         self.metrics.preemptions.inc(len(victims))
+        self.metrics.swapped_preemptions.inc(sum(s.swapped for s in victims))
         admitted = self.policy.admit(self.waiting, budget)
         self.waiting.push_front(victims)  # released by this Step, prefilled by a later one
         self._one_at_a_time = max(0, self._one_at_a_time - len(admitted))
@@ -300,9 +283,15 @@ class IterationLoop:
                 release.append(s.seq_id)
         plan = self.planner.plan(advancing, admitted, release, chunks)
         plan.finished, self._finished = self._finished, []
+        plan.swap_out = self.swapper.take_pending()
         for s in admitted:
             self.running[s.seq_id] = s
-            s.admitted_step = self.step_id + 1  # the Step _send numbers next
+            if s.swapped:
+                # Its KV and state come back as they were: tokens of earlier Steps count.
+                plan.swap_in.append(s.seq_id)
+                self.swapper.back(s)
+            else:
+                s.admitted_step = self.step_id + 1  # the Step _send numbers next
         return plan
 
     async def _send(self, plan: StepPlan, background: bool = False) -> None:
@@ -353,7 +342,7 @@ class IterationLoop:
     # --- tokens and endings -----------------------------------------------------------------
 
     def _on_token(self, tok: StepToken, step_id: int) -> None:
-        seq = self.running.get(tok.seq_id)
+        seq = self.running.get(tok.seq_id) or self.swapper.out.get(tok.seq_id)
         if seq is None or step_id < seq.admitted_step:
             return  # ended while this step was in flight, or from a preempted run
         seq.in_flight -= 1
@@ -383,6 +372,11 @@ class IterationLoop:
         was_running = self.running.pop(seq.seq_id, None) is not None
         self._step_failures.pop(seq.seq_id, None)
         if was_running and not seq.released:
+            self.to_release.append(seq.seq_id)
+        if seq.swapped:  # ended (a token in flight, or cancelled) while swapped out
+            if self.waiting.remove(seq):
+                self.metrics.set_waiting(self.name, len(self.waiting))
+            self.swapper.drop(seq)
             self.to_release.append(seq.seq_id)
         if self.length_labels and seq.admitted_step and reason != FinishReason.ERROR:
             # The worker's length probe learns from it (a cut or cancelled one is a bound).

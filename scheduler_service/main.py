@@ -59,7 +59,8 @@ async def serve(cfg: ServingConfig, port_file: str | None,
                              steps_in_flight=cfg.steps_in_flight, policy=new_policy(),
                              enable_chunked_prefill=cfg.enable_chunked_prefill,
                              length_labels=cfg.length_probe_used,
-                             step_send_lead_ms=cfg.step_send_lead_ms)
+                             step_send_lead_ms=cfg.step_send_lead_ms,
+                             preemption_mode=cfg.preemption_mode)
 
     # Made before the servers start so the admin API can register workers from the start.
     workers = WorkerPool(cfg.worker_addresses, make_client, make_loop, cfg.max_queue)

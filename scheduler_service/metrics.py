@@ -102,7 +102,12 @@ class SchedulerMetrics:
                                     "running requests", ["worker"], registry=r)
         self.preemptions = Counter("seqserve_num_preemptions_total",
                                    "Running sequences preempted for more urgent ones (their KV "
-                                   "dropped, recomputed at re-admission)", registry=r)
+                                   "dropped and recomputed at re-admission, or swapped)",
+                                   registry=r)
+        self.swapped_preemptions = Counter(
+            "seqserve_num_swapped_preemptions_total", "Preemptions whose KV the worker moved "
+            "to host memory and back (option.preemption_mode) instead of recomputing it",
+            registry=r)
         self.length_predictions = Counter(
             "seqserve_length_predictions_total", "Finished requests (EOS, stop or length) "
             "that had a predicted output length (length-aware, length-batched)", registry=r)

@@ -1,13 +1,17 @@
 """Worker-crash recovery for an iteration loop (loop.py): when the worker fails a Step, wait
 for it to serve again and re-admit every running sequence by prefilling its prompt plus the
 tokens already sent, so no token is lost; a request that keeps failing Steps is failed.
+Between Steps, `watch_worker` keeps readiness in step with a worker that dies or returns.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING
+
+import grpc
 
 from scheduler_service.preemption import take_off_worker
 from scheduler_service.worker_client import StepFailed, WorkerInfo, WorkerUnavailable
@@ -37,6 +41,7 @@ async def recover(loop: IterationLoop, exc: StepFailed) -> None:
     loop._close_stream()  # the Steps sent after the failed one are void
     readmit = list(loop.running.values())
     take_off_worker(readmit)
+    loop.swapper.forget()
     loop.running.clear()
     loop.to_release.clear()
     loop.planner.forget()
@@ -85,3 +90,26 @@ async def wait_for_worker(loop: IterationLoop) -> WorkerInfo:
                 loop._fail(s, f"no worker has served for {loop.worker_timeout:g} s "
                               f"({err}); retry later")
             loop.metrics.set_waiting(loop.name, len(loop.waiting))
+
+
+async def watch_worker(loop: IterationLoop, interval: float = 1.0, misses: int = 2) -> None:
+    """Ask the worker for Info every `interval` s while no recovery is running: readiness
+    follows a worker that dies or returns between Steps, and each answer renews this
+    scheduler's lease on the worker's sequences."""
+    missed = 0
+    while not loop._stopped:
+        await asyncio.sleep(interval)
+        if loop._recovering:
+            missed = 0
+            continue
+        try:
+            await loop.worker.fetch_info(timeout=max(2 * interval, 2.0))
+            missed = 0
+            loop._set_worker_up(True)
+        except grpc.aio.AioRpcError as exc:
+            missed += 1
+            if missed >= misses and loop.worker_up:
+                logger.error("worker %s does not answer (%s: %s)", loop.worker.address,
+                             exc.code().name, exc.details())
+                loop._set_worker_up(False)
+                loop.hand_off_waiting()

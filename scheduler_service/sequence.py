@@ -99,6 +99,9 @@ class Sequence:
     # was preempted and are dropped.
     admitted_step: int = 0
     preemptions: int = 0
+    # Preempted by swap (preemption.py): its KV waits in the worker's host memory, and its
+    # re-admission copies it back instead of prefilling.
+    swapped: bool = False
     # Policy length-aware: the predicted output length, and the new tokens KV is
     # reserved for (None: max_new_tokens).
     predicted_tokens: int | None = None
@@ -143,11 +146,14 @@ class Sequence:
 
     def start_running(self, now: float) -> bool:
         """Admitted into the running batch (again, after a preemption or a worker failure):
-        the worker prefills its prompt and any tokens it produced before. Returns whether
+        the worker prefills its prompt and any tokens it produced before, or swaps its KV
+        back in. Returns whether
         this is its first admission; its sampling seed is fixed then, so a re-prefill draws
         the same tokens."""
         self.status = Status.RUNNING
-        self.prefill_target, self.prefilled = len(self.prompt_ids) + len(self.output_ids), 0
+        # A swapped-out sequence prefills nothing: its KV comes back from host memory.
+        target = 0 if self.swapped else len(self.prompt_ids) + len(self.output_ids)
+        self.prefill_target, self.prefilled = target, 0
         if self.sampling_seed is None:
             self.sampling_seed = random.getrandbits(63)
         first = self.scheduled_time is None

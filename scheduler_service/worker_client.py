@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 from scheduler_service.batch_plan import StepPlan
 from scheduler_service.params import DecodingConfig
+from scheduler_service.preemption import SwapFacts
 from seqserve_common.control_auth import call_metadata
 from seqserve_common.control_channel import GRPC_MESSAGE_OPTIONS
 from seqserve_common.decoding import DecodingStrategy
@@ -38,19 +39,27 @@ class WorkerInfo:
     dtype: str
     device: str
     kv_capacity_tokens: int  # KV tokens, padding included, the worker's budget holds
+    # What a preempted sequence costs to swap or recompute (preemption.SwapChoice).
+    swap: SwapFacts = field(default_factory=SwapFacts)
 
     def to_proto(self) -> worker_pb2.InfoResponse:
         return worker_pb2.InfoResponse(
             model_id=self.model_id, architecture=self.architecture, vocab_size=self.vocab_size,
             eos_token_ids=sorted(self.eos_token_ids),
             max_position_embeddings=self.max_position_embeddings, dtype=self.dtype,
-            device=self.device, kv_capacity_tokens=self.kv_capacity_tokens)
+            device=self.device, kv_capacity_tokens=self.kv_capacity_tokens,
+            kv_bytes_per_token=self.swap.kv_bytes_per_token,
+            swap_capacity_bytes=self.swap.capacity_bytes,
+            swap_bytes_per_second=self.swap.copy_bytes_per_second,
+            prefill_tokens_per_second=self.swap.prefill_tokens_per_second)
 
     @classmethod
     def from_proto(cls, info: worker_pb2.InfoResponse) -> "WorkerInfo":
         return cls(info.model_id, info.architecture, info.vocab_size,
                    frozenset(info.eos_token_ids), info.max_position_embeddings, info.dtype,
-                   info.device, info.kv_capacity_tokens)
+                   info.device, info.kv_capacity_tokens,
+                   SwapFacts(info.kv_bytes_per_token, info.swap_capacity_bytes,
+                             info.swap_bytes_per_second, info.prefill_tokens_per_second))
 
 
 @dataclass(slots=True)  # one per token and Step: a frozen one's __init__ costs twice as much
@@ -108,6 +117,8 @@ def encode_step(step_id: int, plan: StepPlan) -> worker_pb2.StepRequest:
     once even when its first chunk prefills only part of them."""
     prefill = []
     for s in plan.prefill:
+        if s.seq_id in plan.swap_in:
+            continue  # its KV comes back from host memory
         p = s.params
         token_ids = s.prompt_ids + s.output_ids
         end = plan.chunks[s.seq_id].end if s.seq_id in plan.chunks else len(token_ids)
@@ -122,6 +133,7 @@ def encode_step(step_id: int, plan: StepPlan) -> worker_pb2.StepRequest:
     new = {s.seq_id for s in plan.prefill}
     return worker_pb2.StepRequest(
         step_id=step_id, release=plan.release, prefill=prefill,
+        swap_out=plan.swap_out, swap_in=plan.swap_in,
         groups=[worker_pb2.Group(sequence_ids=g) for g in plan.groups],
         chunks=[worker_pb2.PrefillChunk(sequence_id=sid, end=c.end)
                 for sid, c in plan.chunks.items() if sid not in new],

@@ -29,6 +29,7 @@ import grpc
 
 from scheduler_service.admission import check_room
 from scheduler_service.loop import IterationLoop
+from scheduler_service.recovery import watch_worker
 from scheduler_service.sequence import FinishReason, Sequence
 from scheduler_service.worker_client import WorkerClient, WorkerInfo
 
@@ -149,7 +150,7 @@ class WorkerPool:
         loop.on_worker_state = lambda up: self.on_ready_change(self.ready)
         loop.metrics.set_worker_up(loop.name, True)
         m.loop = loop
-        m.tasks += [asyncio.create_task(loop.run()), asyncio.create_task(loop.watch_worker())]
+        m.tasks += [asyncio.create_task(loop.run()), asyncio.create_task(watch_worker(loop))]
         logger.info("worker %s joined (%s, %d KV tokens)", m.address, info.model_id,
                     info.kv_capacity_tokens)
         self._first_ready.set()

@@ -11,31 +11,19 @@ is allowed.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from seqserve_common import option_values as ov
+
 logger = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names key, value and what is allowed."""
-
-
-def _bool(text: str) -> bool:
-    low = text.strip().lower()
-    if low in ("true", "1", "yes", "on"):
-        return True
-    if low in ("false", "0", "no", "off"):
-        return False
-    raise ValueError("expected true or false")
-
-
-_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-           "fp16": "float16", "float16": "float16", "auto": "auto"}
 
 
 @dataclass(frozen=True)
@@ -51,38 +39,6 @@ class Option:
     @property
     def default(self) -> Any:
         return _DEFAULTS[self.key]
-
-
-def _choice(*values: str) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        v = text.strip().lower()
-        if v not in values:
-            raise ValueError(f"expected one of {', '.join(values)}")
-        return v
-    return parse
-
-
-def _finite_float(text: str) -> float:
-    v = float(text)
-    if not math.isfinite(v):
-        raise ValueError("expected a finite number")
-    return v
-
-
-def _dtype(text: str) -> str:
-    v = text.strip().lower()
-    if v not in _DTYPES:
-        raise ValueError(f"expected one of {', '.join(_DTYPES)}")
-    return _DTYPES[v]
-
-
-def _addresses(text: str) -> tuple[str, ...]:
-    items = tuple(a.strip() for a in text.split(",") if a.strip())
-    for a in items:
-        host, _, port = a.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"{a!r} is not host:port")
-    return items
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "mlfq", "length-aware", "length-batched")
@@ -102,28 +58,28 @@ OPTIONS: tuple[Option, ...] = (
     Option("tensor_parallel_degree", int, "an integer >= 1",
            lambda v: v >= 1, "ranks in the worker's tensor-parallel group (1: none); the "
            "worker starts the other ranks itself unless torchrun did (docs/deployment.md)"),
-    Option("dtype", _dtype, "fp32, bf16, fp16 (or float32, bfloat16, float16, auto)",
+    Option("dtype", ov.dtype, "fp32, bf16, fp16 (or float32, bfloat16, float16, auto)",
            help="weights dtype; auto: the checkpoint's own (a GGUF file dequantizes to fp32)"),
-    Option("kv_cache_dtype", _dtype, "fp32, bf16, fp16 (or float32, bfloat16, float16, auto)",
+    Option("kv_cache_dtype", ov.dtype, "fp32, bf16, fp16 (or float32, bfloat16, float16, auto)",
            help="dtype of the worker's KV buffers; auto: the model's, except on CPU: "
                 "float32 for float16 models, and for bfloat16 ones where the native "
                 "attention (native_attention.c) cannot be built"),
-    Option("batch_invariant", _bool, "true or false",
+    Option("batch_invariant", ov.parse_bool, "true or false",
            help="make a request's tokens independent of the rest of the batch: every linear "
                 "product computes at least two rows (oneDNN computes one row differently); "
                 "bfloat16 on CPU only, checked on a probe at load (README: what exact means)"),
-    Option("trust_remote_code", _bool, "true or false",
+    Option("trust_remote_code", ov.parse_bool, "true or false",
            help="run model code shipped with the model (off unless set)"),
     Option("max_rolling_batch_size", int, "an integer >= 1", lambda v: v >= 1,
            "most sequences decoded together"),
-    Option("rolling_batch", _choice("scheduler", "auto"), "scheduler",
+    Option("rolling_batch", ov.choice("scheduler", "auto"), "scheduler",
            help="rolling batch implementation (seqserve's scheduler)"),
-    Option("max_sparsity", _finite_float, "a number in [0, 1]", lambda v: 0 <= v <= 1,
+    Option("max_sparsity", ov.finite_float, "a number in [0, 1]", lambda v: 0 <= v <= 1,
            "padding fraction tolerated before the batch is split"),
     Option("max_splits", int, "an integer >= 1", lambda v: v >= 1,
            "most groups (attention calls per layer) per decoding step"),
-    Option("decoding_strategy", _choice("greedy", "sample", "contrastive"), "greedy, sample or contrastive", help="default decoding strategy"),
-    Option("device", _choice("auto", "cpu", "cuda"), "auto, cpu or cuda",
+    Option("decoding_strategy", ov.choice("greedy", "sample", "contrastive"), "greedy, sample or contrastive", help="default decoding strategy"),
+    Option("device", ov.choice("auto", "cpu", "cuda"), "auto, cpu or cuda",
            help="worker device; auto picks cuda when available"),
     Option("host", str, "an address to listen on",
            help="address the servers listen on (127.0.0.1 keeps them local)"),
@@ -153,21 +109,21 @@ OPTIONS: tuple[Option, ...] = (
            "that cannot reach it uses gRPC"),
     Option("worker_metrics_port", int, "a port in [0, 65535], or -1 to disable",
            lambda v: -1 <= v <= 65535, "worker Prometheus /metrics port"),
-    Option("worker_addresses", _addresses, "comma-separated host:port list",
+    Option("worker_addresses", ov.addresses, "comma-separated host:port list",
            help="the workers the scheduler drives, each a full replica (data parallel)"),
     Option("max_num_batched_tokens", int, "an integer >= 1", lambda v: v >= 1, "tokens a step "
            "computes: decoding rows, then prompt chunks (unchunked: prompt tokens per step)"),
-    Option("enable_chunked_prefill", _bool, "true or false", help="split prompts over steps "
+    Option("enable_chunked_prefill", ov.parse_bool, "true or false", help="split prompts over steps "
            "beside the decoding rows (false: each prompt is prefilled whole in one step)"),
     Option("steps_in_flight", int, "an integer >= 1", lambda v: v >= 1,
            "Steps sent to the worker before the oldest is answered (1: each waits for the "
            "previous one's tokens)"),
-    Option("step_send_lead_ms", _finite_float, "a number of milliseconds >= 0, or -1",
+    Option("step_send_lead_ms", ov.finite_float, "a number of milliseconds >= 0, or -1",
            lambda v: v >= 0 or v == -1,
            "with steps_in_flight >= 2, the next Step is planned and sent this long (plus a "
            "tenth of its expected time) before the worker should end the one it runs, so "
            "requests arriving meanwhile join it; -1: sent as soon as the previous one is"),
-    Option("scheduling_policy", _choice(*SCHEDULING_POLICIES), ", ".join(SCHEDULING_POLICIES),
+    Option("scheduling_policy", ov.choice(*SCHEDULING_POLICIES), ", ".join(SCHEDULING_POLICIES),
            help="which waiting request runs next: fcfs (arrival order), priority (the "
                 "request's priority, preempting less urgent work), mlfq (FastServe's "
                 "skip-join multi-level feedback queue), length-aware (shortest predicted "
@@ -193,7 +149,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("length_bucket_tokens", int, "an integer >= 1", lambda v: v >= 1,
            "length-aware, length-batched: width of the predicted-length buckets that admission orders and "
            "reserves KV by"),
-    Option("length_predictor", _choice(*LENGTH_PREDICTORS), ", ".join(LENGTH_PREDICTORS),
+    Option("length_predictor", ov.choice(*LENGTH_PREDICTORS), ", ".join(LENGTH_PREDICTORS),
            help="length-aware: both (the prompt-id predictor orders admission and sets the "
                 "first reservation, the worker's hidden-state prediction, with the first "
                 "token, then replaces it), prompt (prompt ids only), hidden (the worker's "
@@ -213,9 +169,16 @@ OPTIONS: tuple[Option, ...] = (
            "worker memory for cached prompt prefixes (bytes)"),
     Option("prompt_cache_block_tokens", int, "an integer in [1, 1024]",
            lambda v: 1 <= v <= 1024, "tokens per prefix-cache block (prefixes match in blocks)"),
-    Option("drain_timeout", _finite_float, "a number of seconds >= 0", lambda v: v >= 0,
+    Option("swap_space_bytes", int, "an integer >= -1", lambda v: v >= -1,
+           "worker host memory for the KV of preempted sequences (bytes; -1: 4 GiB on an "
+           "accelerator, 0 on CPU; 0: no swapping, preempted sequences are recomputed)"),
+    Option("preemption_mode", ov.choice("auto", "swap", "recompute"), "auto, swap or recompute",
+           help="how a preempted sequence comes back: auto swaps its KV to the worker's host "
+                "memory where that costs less than re-prefilling it (both measured by the "
+                "worker at start), swap whenever the swap space has room, recompute never"),
+    Option("drain_timeout", ov.finite_float, "a number of seconds >= 0", lambda v: v >= 0,
            "on SIGTERM, how long running requests may take to finish before exit"),
-    Option("worker_timeout", _finite_float, "a number of seconds > 0", lambda v: v > 0,
+    Option("worker_timeout", ov.finite_float, "a number of seconds > 0", lambda v: v > 0,
            "how long the scheduler waits for a worker before failing requests"),
     # Security (docs/security.md). Paths are PEM files; empty means off.
     Option("tls_cert_file", str, "a PEM certificate chain file, or empty for plaintext",
@@ -240,7 +203,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("control_token_file", str, "a file path; empty: ~/.cache/seqserve/control-token",
            help="file holding the control-plane secret, readable by its owner only; the "
                 "first process to start creates it"),
-    Option("worker_lease", _finite_float, "a number of seconds > 0", lambda v: v > 0,
+    Option("worker_lease", ov.finite_float, "a number of seconds > 0", lambda v: v > 0,
            "a worker drops the sequences of a scheduler silent for this long"),
 )
 # Old names of options: still read (with a warning), so older files and flags keep working.
@@ -300,6 +263,8 @@ class ServingConfig:
     kv_cache_bytes: int = 4 << 30
     prompt_cache_bytes: int = 512 << 20
     prompt_cache_block_tokens: int = 16
+    swap_space_bytes: int = -1
+    preemption_mode: str = "auto"
     drain_timeout: float = 30.0
     worker_timeout: float = 60.0
     tls_cert_file: str = ""

@@ -1,8 +1,9 @@
-"""Preemption by recompute in the iteration loop, against a fake worker that keeps the
-real worker's rules (release only live sequences, every live one in exactly one group)
-and whose token is a function of the prompt and the position, as greedy decoding is. A
-preempted sequence must come out unchanged, and an urgent request sent into a full batch
-must get its first token within a few Steps. No gRPC, no model."""
+"""Preemption by recompute and by swap in the iteration loop, against a fake worker that
+keeps the real worker's rules (release only live or swapped-out sequences, every live one
+in exactly one group, swap out only sequences past their prompt, swap in only swapped-out
+ones) and whose token is a function of the prompt and the position, as greedy decoding
+is. A preempted sequence must come out unchanged, and an urgent request sent into a full
+batch must get its first token within a few Steps. No gRPC, no model."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.params import DecodingConfig
 from scheduler_service.policies.mlfq import MLFQAdmission, MLFQConfig
 from scheduler_service.policies.priority import PriorityAdmission
+from scheduler_service.preemption import SwapFacts
 from scheduler_service.sequence import Sequence
 from scheduler_service.worker_client import (
     StepAnswer,
@@ -49,12 +51,24 @@ class Stream:
         w = self.worker
         step_id, plan = self.queued.pop(0)
         for sid in plan.release:
-            if sid not in w.live:
+            if sid not in w.live and sid not in w.swapped:
                 raise StepFailed("FAILED_PRECONDITION", f"release of unknown sequence {sid}")
-            del w.live[sid]
+            w.live.pop(sid, None) or w.swapped.pop(sid)
+        for sid in plan.swap_out:
+            if sid not in w.live or sid not in w.decoding:
+                raise StepFailed("FAILED_PRECONDITION", f"swap_out of {sid}, not decoding")
+            w.swapped[sid] = w.live.pop(sid)
+            w.swap_outs += 1
+        for sid in plan.swap_in:
+            if sid not in w.swapped:
+                raise StepFailed("FAILED_PRECONDITION", f"swap_in of {sid}, not swapped out")
+            w.live[sid] = w.swapped.pop(sid)
         for s in plan.prefill:
-            if s.seq_id in w.live:
+            if s.seq_id in plan.swap_in:
+                continue
+            if s.seq_id in w.live or s.seq_id in w.swapped:
                 raise StepFailed("FAILED_PRECONDITION", f"sequence {s.seq_id} exists")
+            w.decoding.discard(s.seq_id)
             # (prompt, position of the next token): the re-prefill resumes after the tokens
             # the scheduler sends with the prompt.
             w.live[s.seq_id] = [list(s.prompt_ids), len(s.output_ids)]
@@ -68,6 +82,7 @@ class Stream:
                 continue  # a prompt chunk that leaves part of the prompt: no token yet
             prompt, pos = w.live[sid]
             w.live[sid][1] += 1
+            w.decoding.add(sid)
             tokens.append(StepToken(sid, token(prompt, pos), cached_tokens=0))
         return StepAnswer(step_id, tokens, worker_seconds=0.0)
 
@@ -78,18 +93,26 @@ class Stream:
 class Worker:
     address = "fake-worker"
 
-    def __init__(self):
+    def __init__(self, swap_capacity_bytes: int = 0):
+        # Measured rates that make a swap cheaper than a recompute (option auto swaps).
+        swap = SwapFacts(kv_bytes_per_token=1000, capacity_bytes=swap_capacity_bytes,
+                         copy_bytes_per_second=1e10, prefill_tokens_per_second=1e4)
         self.info = WorkerInfo("fake", "FakeForCausalLM", vocab_size=1000,
                                eos_token_ids=frozenset([EOS]), max_position_embeddings=4096,
-                               dtype="float32", device="cpu", kv_capacity_tokens=100000)
+                               dtype="float32", device="cpu", kv_capacity_tokens=100000,
+                               swap=swap)
         self.live: dict[int, list] = {}
+        self.swapped: dict[int, list] = {}
+        self.decoding: set[int] = set()  # gave a token since its (re-)prefill
         self.prefills = 0
+        self.swap_outs = 0
 
     def open_steps(self):
         return Stream(self)
 
     async def wait_ready(self, timeout):
         self.live.clear()
+        self.swapped.clear()
         return self.info
 
 
@@ -101,14 +124,15 @@ def request(loop: IterationLoop, n_prompt: int, max_new: int, priority: int) -> 
                     priority=priority)
 
 
-def scenario(policy, in_flight: int):
-    worker = Worker()
+def scenario(policy, in_flight: int, mode: str = "auto", swap_capacity_bytes: int = 0):
+    worker = Worker(swap_capacity_bytes)
     metrics = SchedulerMetrics()
 
     async def run():
         loop = IterationLoop(worker, max_rolling_batch_size=2, max_queue=16, max_sparsity=0.3,
                              max_splits=2, worker_timeout=5, metrics=metrics,
-                             max_num_batched_tokens=4096, steps_in_flight=in_flight, policy=policy)
+                             max_num_batched_tokens=4096, steps_in_flight=in_flight, policy=policy,
+                             preemption_mode=mode)
         low = [request(loop, 8, 40, priority=5), request(loop, 12, 40, priority=5)]
         for s in low:
             loop.submit(s)
@@ -145,6 +169,38 @@ def test_urgent_request_preempts_and_outputs_stay_identical(name, in_flight):
         expected = [token(s.prompt_ids, i) for i in range(s.params.max_new_tokens)]
         assert s.output_ids == expected, f"sequence {s.seq_id} changed under preemption"
     assert not worker.live
+
+
+@pytest.mark.timeout(30)  # a broken loop may spin without yielding to wait_for
+@pytest.mark.parametrize("in_flight", [1, 2, 3])
+@pytest.mark.parametrize("name", ["priority", "mlfq"])
+@pytest.mark.parametrize("mode", ["auto", "swap"])
+def test_urgent_request_preempts_by_swap_and_outputs_stay_identical(name, in_flight, mode):
+    """With swap space the victim's KV goes to host memory and comes back: no re-prefill,
+    and the token it had in flight when stopped still counts (were it dropped, or drawn
+    again at the wrong position, the output would change)."""
+    policy = (PriorityAdmission(aging_steps=1000) if name == "priority" else
+              MLFQAdmission(MLFQConfig(base_quantum=2, prefill_tokens_per_step=64)))
+    (low, urgent, steps), metrics, worker = scenario(policy, in_flight, mode, 1 << 30)
+    assert steps <= in_flight + 1
+    assert metrics.swapped_preemptions._value.get() == metrics.preemptions._value.get() >= 1
+    assert worker.swap_outs >= 1 and worker.prefills == 3  # no victim prefilled again
+    for s in [*low, urgent]:
+        expected = [token(s.prompt_ids, i) for i in range(s.params.max_new_tokens)]
+        assert s.output_ids == expected, f"sequence {s.seq_id} changed under swapping"
+    assert not worker.live and not worker.swapped
+
+
+@pytest.mark.parametrize("mode, capacity", [("recompute", 1 << 30), ("swap", 10_000)])
+def test_recompute_mode_or_a_full_swap_space_recomputes(mode, capacity):
+    """`recompute` never swaps; nor does `swap` when the victim's KV (here 1000 bytes a
+    token, more than 10 tokens) does not fit the worker's swap space."""
+    policy = PriorityAdmission(aging_steps=1000)
+    (low, urgent, _), metrics, worker = scenario(policy, 2, mode, capacity)
+    assert metrics.preemptions._value.get() >= 1
+    assert metrics.swapped_preemptions._value.get() == 0 and worker.swap_outs == 0
+    for s in [*low, urgent]:
+        assert s.output_ids == [token(s.prompt_ids, i) for i in range(s.params.max_new_tokens)]
 
 
 def test_fcfs_makes_the_urgent_request_wait():
@@ -326,3 +382,42 @@ def test_random_priorities_under_a_small_step_budget_all_finish_unchanged(name):
         assert s.finish_reason is not None and s.finish_reason.value == "length"
         assert s.output_ids == [token(s.prompt_ids, i) for i in range(s.params.max_new_tokens)]
     assert not worker.live and metrics.preemptions._value.get() >= 1
+
+
+def _seq(sid: int, prompt: int, generated: int, strategy=DecodingStrategy.GREEDY,
+         **params) -> Sequence:
+    s = Sequence(seq_id=sid, request_id=str(sid), prompt_ids=[3] * prompt,
+                 params=DecodingConfig(max_new_tokens=500, strategy=strategy, **params),
+                 detokenizer=None, stops=None)
+    s.output_ids = [4] * generated
+    return s
+
+
+def test_swapper_weighs_the_measured_costs_and_keeps_account():
+    """A 100-token KV of 1000 bytes a token: 0.2 ms to copy out and in at 1 GB/s against
+    10 ms to prefill at 10k tokens/s, so auto swaps; at 1 MB/s (200 ms) it recomputes,
+    where mode swap still swaps. The swap space (1 MB: 1000 tokens) takes what fits."""
+    from scheduler_service.preemption import Swapper
+
+    fast = SwapFacts(1000, 10**6, 1e9, 1e4)
+    slow = SwapFacts(1000, 10**6, 1e6, 1e4)
+    assert Swapper("auto", fast).choose(_seq(1, 90, 11))
+    assert not Swapper("auto", slow).choose(_seq(1, 90, 11))
+    assert Swapper("swap", slow).choose(_seq(1, 90, 11))
+    assert not Swapper("recompute", fast).choose(_seq(1, 90, 11))
+    assert not Swapper("auto", SwapFacts(1000, 10**6, 0.0, 0.0)).choose(_seq(1, 90, 11))
+    assert not Swapper("swap", SwapFacts()).choose(_seq(1, 90, 11))  # no swap space
+    sw = Swapper("swap", fast)
+    first = _seq(1, 500, 101)
+    assert sw.stop(first) and first.swapped and sw.take_pending() == [1]  # 600 tokens' KV
+    assert not sw.stop(_seq(2, 500, 101))  # 1.2 MB would not fit
+    sw.back(first)
+    assert not first.swapped and sw.stop(_seq(2, 500, 101))
+    # Only greedy or sampled sequences past their prompt.
+    assert not sw.choose(_seq(3, 5, 2, DecodingStrategy.CONTRASTIVE, top_k=4))
+    assert not sw.choose(_seq(4, 5, 2, DecodingStrategy.BEAM, num_beams=2))
+    prefilling = _seq(5, 50, 0)
+    prefilling.start_running(0.0)
+    assert prefilling.prefilling and not sw.choose(prefilling)
+    with pytest.raises(ValueError, match="preemption mode"):
+        Swapper("sometimes", fast)

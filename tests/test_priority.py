@@ -32,8 +32,12 @@ def _steps(d) -> float:
 @pytest.mark.parametrize("policy", [{"scheduling_policy": "priority"},
                                     {"scheduling_policy": "mlfq", "mlfq_quantum_steps": 2}],
                          ids=["priority", "mlfq"])
-def test_urgent_request_preempts_a_full_batch(llama_dir, deploy, policy):
-    d = deploy(llama_dir, max_rolling_batch_size=2, **policy)
+# swap: the victims' KV goes to the worker's host memory and back (kv_swap.py).
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_urgent_request_preempts_a_full_batch(llama_dir, deploy, policy, mode):
+    worker_options = {"swap_space_bytes": 64 << 20} if mode == "swap" else {}
+    d = deploy(llama_dir, worker_options, max_rolling_batch_size=2, preemption_mode=mode,
+               **policy)
     tok = AutoTokenizer.from_pretrained(llama_dir)
     rng = random.Random(3)
     greedy_prompt = reference.prompt_of_tokens(tok, 40, rng)
@@ -79,7 +83,10 @@ def test_urgent_request_preempts_a_full_batch(llama_dir, deploy, policy):
     # read here also moves while the test reads /metrics, as a tiny model's Step takes
     # milliseconds, hence the margin.
     assert steps <= 12, f"the urgent request waited {steps} Steps for its first token"
-    assert scrape(d.metrics_url)["seqserve_num_preemptions_total"] >= 1
+    metrics = scrape(d.metrics_url)
+    assert metrics["seqserve_num_preemptions_total"] >= 1
+    swapped = metrics["seqserve_num_swapped_preemptions_total"]
+    assert swapped >= 1 if mode == "swap" else swapped == 0
     assert urgent_ids == reference.greedy(llama_dir, urgent_prompt, 6)
     assert reference.same_until_eos(greedy_ids, reference.greedy(llama_dir, greedy_prompt, 60),
                                      tok.eos_token_id)

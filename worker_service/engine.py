@@ -12,22 +12,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker_service import sampling
+from worker_service import kv_swap, sampling, step_checks
 from worker_service.beam import BeamSearches
 from worker_service.contrastive import CandidateTree, ContrastiveSearch
-from worker_service.kv_groups import KVGroup
+from worker_service.kv_groups import HostKV, KVGroup
+from worker_service.kv_swap import SwapSpace
 from worker_service.length_probe import LengthProbe
 from worker_service.model_runner import ModelRunner
 from worker_service.packed_batch import DecodeSegment, PackedBatch
 from worker_service.prefix_cache import PrefixCache
 from worker_service.sequence import SequenceState
-from worker_service.step import Prefill, PrefillSpec, StepResult
+from worker_service.step import Prefill, PrefillSpec, StepError, StepResult
 
 logger = logging.getLogger(__name__)
-
-
-class StepError(ValueError):
-    """The Step contradicts the worker's state (unknown id, duplicate, missing group)."""
 
 
 @dataclass
@@ -54,10 +51,11 @@ class Engine:
     """The worker's sequences and group caches."""
 
     def __init__(self, runner: ModelRunner, prefix_cache: PrefixCache | None = None,
-                 length_probe: LengthProbe | None = None):
+                 length_probe: LengthProbe | None = None, swap: SwapSpace | None = None):
         self.runner = runner
         self.prefix_cache = prefix_cache
         self.length_probe = length_probe
+        self.swap = swap  # None: this worker does not swap (the scheduler recomputes)
         self.device = runner.device
         self.sequences: dict[int, SequenceState] = {}
         self.groups: list[KVGroup] = []
@@ -81,6 +79,8 @@ class Engine:
         self.groups.clear()
         self.group_of.clear()
         self.beams.clear()
+        if self.swap is not None:
+            self.swap.clear()
 
     def warm_up(self, num_tokens: int, chunk: int = 256, premap_bytes: int = 0) -> float:
         """Prefill `num_tokens` throwaway tokens in one forward, as the largest step the
@@ -122,6 +122,8 @@ class Engine:
         return sum(g.copied_bytes for g in self.groups)
 
     def release(self, seq_id: int) -> None:
+        if self.swap is not None and self.swap.drop(seq_id):
+            return  # it ended while swapped out
         self.sequences.pop(seq_id, None)
         group = self.group_of.pop(seq_id, None)
         if group is not None:
@@ -131,10 +133,14 @@ class Engine:
 
     def step(self, release: list[int], prefill: list[PrefillSpec],
              plan: list[list[int]], chunks: dict[int, int] | None = None,
-             finished: list[tuple[int, int, bool]] | None = None) -> StepResult:
+             finished: list[tuple[int, int, bool]] | None = None,
+             swap_out: list[int] | None = None, swap_in: list[int] | None = None
+             ) -> StepResult:
         """`chunks`: sequence id -> prefill through token_ids[:end], for sequences created
         partly prefilled (PrefillSpec.prefill_end) in an earlier step. `finished`: (id,
-        tokens generated, exact) of sequences that ended, for the length probe."""
+        tokens generated, exact) of sequences that ended, for the length probe.
+        `swap_out`: sequences whose KV goes to host memory after the release, `swap_in`:
+        swapped-out ones that run again (kv_swap.py)."""
         t0 = time.perf_counter()
         result = StepResult()
         probe = self.length_probe
@@ -145,19 +151,14 @@ class Engine:
         for sid in self.beams.expand_release(release):
             self.release(sid)
         plan = self.beams.expand_plan(plan)  # a beam request's rows beside it
-        new_ids = set()
-        for ns in prefill:
-            if ns.seq_id in self.sequences or ns.seq_id in new_ids:
-                raise StepError(f"sequence {ns.seq_id} already exists; release it first")
-            if not ns.token_ids:
-                raise StepError(f"sequence {ns.seq_id} has no tokens to prefill")
-            if not 0 <= ns.prefill_end <= len(ns.token_ids):
-                raise StepError(f"sequence {ns.seq_id}: prefill_end {ns.prefill_end} is not "
-                                f"in [0, {len(ns.token_ids)}] (its token count)")
-            new_ids.add(ns.seq_id)
-        self._check_plan(plan, new_ids)
+        for sid in swap_out or ():
+            kv_swap.swap_out(self, sid)
+        restored = {sid: kv_swap.swap_in(self, sid) for sid in swap_in or ()}
+        new_ids = set(restored) | step_checks.new_sequences(prefill, self.sequences, restored,
+                                                            self.swap or ())
         chunks = chunks or {}
-        self._check_chunks(chunks)
+        step_checks.check_plan(plan, self.sequences, new_ids)
+        step_checks.check_chunks(chunks, self.sequences)
         for ns in prefill:
             n = len(ns.token_ids)
             self.sequences[ns.seq_id] = SequenceState(
@@ -166,7 +167,7 @@ class Engine:
                 chunk_end=ns.prefill_end or n)
         for sid, end in chunks.items():
             self.sequences[sid].chunk_end = end
-        groups, old_counts, dropped_bytes = self._regroup(plan, new_ids)
+        groups, old_counts, dropped_bytes = self._regroup(plan, new_ids, restored)
         result.regroup_seconds = time.perf_counter() - t0
         self._run(groups, old_counts, result)
         if probe is not None:
@@ -183,35 +184,12 @@ class Engine:
         result.total_seconds = time.perf_counter() - t0
         return result
 
-    def _check_plan(self, plan: list[list[int]], new_ids: set[int]) -> None:
-        seen: set[int] = set()
-        for members in plan:
-            for sid in members:
-                if sid in seen:
-                    raise StepError(f"sequence {sid} appears in more than one group")
-                if sid not in self.sequences and sid not in new_ids:
-                    raise StepError(f"sequence {sid} is unknown to this worker (not running, "
-                                    "not in prefill); the scheduler must re-admit it")
-                seen.add(sid)
-        missing = (set(self.sequences) | new_ids) - seen
-        if missing:
-            raise StepError(f"sequences {sorted(missing)[:8]} are in no group; every live "
-                            "sequence must be in exactly one group")
-
-    def _check_chunks(self, chunks: dict[int, int]) -> None:
-        for sid, end in chunks.items():
-            seq = self.sequences.get(sid)
-            if seq is None:
-                raise StepError(f"prefill chunk for sequence {sid}, which this worker does not "
-                                "hold; a new sequence's first chunk is its prefill_end")
-            if not seq.chunk_end < end <= seq.prompt_len:
-                raise StepError(f"prefill chunk for sequence {sid} ends at {end}; it must be "
-                                f"past the {seq.chunk_end} tokens asked for before and at most "
-                                f"its {seq.prompt_len} prompt tokens")
-
-    def _regroup(self, plan: list[list[int]], new_ids: set[int]
+    def _regroup(self, plan: list[list[int]], new_ids: set[int],
+                 restored: dict[int, HostKV] | None = None
                  ) -> tuple[list[KVGroup], list[int], int]:
-        """Make one KVGroup per planned group, moving as few rows as possible."""
+        """Make one KVGroup per planned group, moving as few rows as possible; the rows of
+        new sequences are empty, those of `restored` ones (swapped in) hold their KV."""
+        restored = restored or {}
         olds = [[sid for sid in members if sid not in new_ids] for members in plan]
         # Give each planned group the existing group it overlaps most, largest overlaps first.
         overlaps = []
@@ -257,7 +235,10 @@ class Engine:
                 group.ensure_capacity(group.rows + len(fresh),
                                       max(self._reserve_length(sid) for sid in fresh))
             for sid in fresh:
-                group.add_empty_row(sid, self._reserve_length(sid))
+                if sid in restored:
+                    group.add_row_from_host(sid, restored[sid], self._reserve_length(sid))
+                else:
+                    group.add_empty_row(sid, self._reserve_length(sid))
                 self.group_of[sid] = group
             if moves:
                 group.trim()
@@ -281,7 +262,8 @@ class Engine:
         t = time.perf_counter()
         for group, n_old in zip(groups, old_counts):
             for r in range(n_old, group.rows):
-                self._reuse_prefix(group, r, self._seq(group, r))
+                if group.length(r) == 0:  # not a swapped-in row, which holds its KV
+                    self._reuse_prefix(group, r, self._seq(group, r))
         result.prefix_cache_seconds += time.perf_counter() - t
 
         fwd = self._pack(groups, result)

@@ -57,6 +57,28 @@ class KVShape:
         return elems * torch.empty((), dtype=self.dtype).element_size()
 
 
+@dataclass
+class HostKV:
+    """One row's KV in host memory, for a sequence swapped out of its group: `kv`
+    [2, layers, heads, length, dim] where the group's layers share one shape, else
+    `layer_kv`, (keys, values) [heads, length, dim] per layer."""
+
+    length: int
+    kv: torch.Tensor | None
+    layer_kv: list[tuple[torch.Tensor, torch.Tensor]] | None
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kv is not None:
+            return self.kv[0, layer], self.kv[1, layer]
+        return self.layer_kv[layer]
+
+    @property
+    def nbytes(self) -> int:
+        if self.kv is not None:
+            return self.kv.numel() * self.kv.element_size()
+        return sum(t.numel() * t.element_size() for pair in self.layer_kv for t in pair)
+
+
 def _round_up(n: int, align: int) -> int:
     return max(align, -(-n // align) * align)
 
@@ -184,6 +206,40 @@ class KVGroup:
         self.seq_ids.append(other.seq_ids[other_row])
         self._lengths.append(length)
         self.copied_bytes += length * self.shape.bytes_per_token
+        return row
+
+    def row_to_host(self, row: int, pin: bool) -> HostKV:
+        """A copy of row `row`'s KV in host memory (pinned where `pin`: an accelerator
+        then copies it back without staging)."""
+        n = self._lengths[row]
+        if self.kv is not None:
+            src = self.kv[:, :, row, :, :n]
+            host = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+            host.copy_(src)
+            return HostKV(n, host, None)
+        layers = []
+        for k, v in zip(self.keys, self.values):
+            hk = torch.empty(k[row, :, :n].shape, dtype=k.dtype, pin_memory=pin)
+            hv = torch.empty(v[row, :, :n].shape, dtype=v.dtype, pin_memory=pin)
+            hk.copy_(k[row, :, :n])
+            hv.copy_(v[row, :, :n])
+            layers.append((hk, hv))
+        return HostKV(n, None, layers)
+
+    def add_row_from_host(self, seq_id: int, host: HostKV, reserve_length: int) -> int:
+        """Append a row for `seq_id` holding the KV of `host` (a swapped-out sequence
+        coming back); returns the row."""
+        row = self.add_empty_row(seq_id, max(reserve_length, host.length + 1))
+        n = host.length
+        if self.kv is not None and host.kv is not None:
+            self.kv[:, :, row, :, :n].copy_(host.kv, non_blocking=host.kv.is_pinned())
+        else:
+            for layer in range(self.shape.num_layers):
+                hk, hv = host.layer(layer)
+                self.keys[layer][row, :, :n].copy_(hk, non_blocking=hk.is_pinned())
+                self.values[layer][row, :, :n].copy_(hv, non_blocking=hv.is_pinned())
+        self._lengths[row] = n
+        self.copied_bytes += n * self.shape.bytes_per_token
         return row
 
     def copy_within(self, src_row: int, dst_row: int, start: int) -> None:

@@ -19,6 +19,7 @@ from seqserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from seqserve_common.decoding import DecodingStrategy
 from worker_service.compute import compute_thread
 from worker_service.engine import Engine, StepError
+from worker_service.kv_swap import SwapRates
 from worker_service.metrics import WorkerMetrics
 from worker_service.sequence import BeamParams, DecodingParams
 from worker_service.step import GeneratedToken, PrefillSpec, StepResult
@@ -90,6 +91,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._last_contact = time.monotonic()
         self._steps_pending = 0
         self.steps_link_port = 0  # the direct Steps link's, once it listens (0: none)
+        self.swap_rates = SwapRates()
 
     def _renew(self) -> None:
         self._last_contact = time.monotonic()
@@ -104,7 +106,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         while not stop.wait(min(1.0, self.lease_seconds / 4)):
             engine = self.engine
             with self._lock:
-                expired = (engine is not None and engine.sequences and not self._steps_pending
+                held = engine is not None and (engine.sequences or engine.swap and len(engine.swap))
+                expired = (held and not self._steps_pending
                            and time.monotonic() - self._last_contact > self.lease_seconds)
                 if not expired:
                     continue
@@ -116,8 +119,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self.metrics.sequences.set(0)
                 self.metrics.kv_tokens.set(0)
 
-    def attach(self, engine: Engine) -> None:
+    def attach(self, engine: Engine, swap_rates: SwapRates | None = None) -> None:
         self.kv_capacity_tokens = self.kv_cache_bytes // engine.runner.kv_shape.bytes_per_token
+        self.swap_rates = swap_rates or SwapRates()
         self.engine = engine
 
     def _ready(self, context) -> Engine:
@@ -133,7 +137,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             model_id=f.model_id, architecture=f.architecture, vocab_size=f.vocab_size,
             eos_token_ids=list(f.eos_token_ids), max_position_embeddings=f.max_position_embeddings,
             dtype=f.dtype, device=f.device,
-            kv_capacity_tokens=self.kv_capacity_tokens, steps_link_port=self.steps_link_port)
+            kv_capacity_tokens=self.kv_capacity_tokens, steps_link_port=self.steps_link_port,
+            kv_bytes_per_token=engine.runner.kv_shape.bytes_per_token,
+            swap_capacity_bytes=engine.swap.capacity_bytes if engine.swap is not None else 0,
+            swap_bytes_per_second=self.swap_rates.copy_bytes_per_second,
+            prefill_tokens_per_second=self.swap_rates.prefill_tokens_per_second)
 
     def Reset(self, request, context):
         engine = self._ready(context)
@@ -198,7 +206,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return failed
         finished = [(f.sequence_id, f.generated_tokens, f.exact) for f in request.finished]
         return self._compute.submit(engine.step, list(request.release), prefill, plan, chunks,
-                                    finished)
+                                    finished, list(request.swap_out), list(request.swap_in))
 
     def _response(self, request, result: StepResult) -> worker_pb2.StepResponse:
         if self.metrics is not None:

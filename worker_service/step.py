@@ -12,6 +12,10 @@ from worker_service.packed_batch import RowSegment
 from worker_service.sequence import DecodingParams, SequenceState
 
 
+class StepError(ValueError):
+    """The Step contradicts the worker's state (unknown id, duplicate, missing group)."""
+
+
 @dataclass
 class PrefillSpec:
     """A sequence the Step admits: its tokens so far (prompt, and any generated before a
