@@ -110,6 +110,8 @@ def server_metrics(before: dict[str, float], after: dict[str, float],
         "prompt_tokens": delta("seqserve_prompt_tokens_total"),
         "generation_tokens": delta("seqserve_generation_tokens_total"),
         "prefix_cache_hit_tokens": delta("seqserve_prefix_cache_hit_tokens_total"),
+        "preemptions": delta("seqserve_num_preemptions_total"),
+        "swapped_preemptions": delta("seqserve_num_swapped_preemptions_total"),
         # Where a step's time goes, summed over the run (seconds).
         "step_seconds": {p: delta(f"seqserve_step_seconds_sum{{phase={p}}}")
                          for p in STEP_PHASES},

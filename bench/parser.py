@@ -309,7 +309,8 @@ def _policies_parser(sub, parents) -> None:
     g.add_argument("--policies", type=_list, default=list(DEFAULT_POLICIES),
                    help="comma-separated: fcfs (required), fcfs-unchunked, priority, mlfq, "
                         "length-aware (all of these); by name only: priority-unshielded, "
-                        "priority-shield32/64/256 (the urgent shield's cap)")
+                        "priority-shield32/64/256 (the urgent shield's cap), priority-swap, "
+                        "mlfq-swap (victims swapped, not recomputed)")
     g.add_argument("--rate-fractions", type=_floats, default=list(DEFAULT_FRACTIONS),
                    help="Poisson rates as fractions of FCFS's knee (0.5,0.8,1.0)")
     g.add_argument("--knee-rate", type=float, default=None,

@@ -6,7 +6,8 @@ Every policy is its own server, started with option.scheduling_policy=NAME (fcfs
 FCFS with enable_chunked_prefill=false, the control for chunked prefill's effect on ITL;
 priority-unshielded: priority with priority_background_chunk_tokens=0, the control for the
 urgent shield; priority-shieldN: priority with the shield's cap at N background prompt tokens
-a Step, to compare caps against the default).
+a Step, to compare caps against the default; priority-swap and mlfq-swap: their victims'
+KV swapped to host memory instead of recomputed).
 """
 
 from __future__ import annotations
@@ -38,7 +39,13 @@ SHIELD_CAPS = (32, 64, 256)
 POLICIES.update({f"priority-shield{cap}": {"scheduling_policy": "priority",
                                            "priority_background_chunk_tokens": str(cap)}
                  for cap in SHIELD_CAPS})
-BY_NAME_ONLY = frozenset({"priority-unshielded", *(f"priority-shield{c}" for c in SHIELD_CAPS)})
+# Preemption by swap instead of recompute (docs/scheduling.md): the worker keeps 1 GiB of
+# host memory for victims' KV, which a CPU worker has none of by default.
+SWAP = {"preemption_mode": "swap", "swap_space_bytes": str(1 << 30)}
+POLICIES.update({"priority-swap": {"scheduling_policy": "priority", **SWAP},
+                 "mlfq-swap": {"scheduling_policy": "mlfq", **SWAP}})
+BY_NAME_ONLY = frozenset({"priority-unshielded", "priority-swap", "mlfq-swap",
+                          *(f"priority-shield{c}" for c in SHIELD_CAPS)})
 CONTROL = "fcfs"  # every ratio column is taken against it
 DEFAULT_POLICIES = tuple(p for p in POLICIES if p not in BY_NAME_ONLY)
 DEFAULT_FRACTIONS = (0.5, 0.8, 1.0)  # of FCFS's knee
