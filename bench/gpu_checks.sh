@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
-# The checks that need an NVIDIA GPU, in one run on a lent machine (docs/gpu.md):
-#   1. the test suite with every worker on cuda (option.device=auto picks it);
-#   2. seqserve against the HF baselines on cuda, all at once (`bench peers`);
-#   3. what a preempted sequence costs to bring back, recompute against KV swap.
-# The machine has torch and no package index: our pins that differ from its image travel
-# as wheels in .whl/ (docs/gpu.md says which). Logs go to $OUT (or /tmp/gpu-checks).
-# Usage: bash bench/gpu_checks.sh [tests|peers|swap ...]   (default: all three)
+# The checks that need an NVIDIA GPU, in one run on a lent machine (what they showed:
+# docs/benchmarks.md, "On a GPU"):
+#   tests: the test suite (or $TESTS) with every worker on cuda (option.device=auto);
+#   swap:  what a preempted sequence costs to bring back, recompute against KV swap;
+#   peers: seqserve against the HF baselines on cuda, all at once (`bench peers`).
+# Such a machine has torch but no package index. Before the call, here:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 -d .whl transformers==5.23.0 huggingface_hub==2.4.0 \
+#     grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
+#     protobuf==7.36.2 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types \
+#     typing-inspection typing_extensions openai==3.57.0 jiter httpx2 httpcore2 truststore sniffio
+#   mkdir -p .gpu/smollm2 && cp models/smollm2-135m-instruct-bf16/{config.json,\
+#     generation_config.json,tokenizer.json,tokenizer_config.json} .gpu/smollm2/
+# (both folders in .git/info/exclude), then carry .whl and .gpu. Logs go to $OUT.
+# Usage: bash bench/gpu_checks.sh [tests|swap|peers ...]   (default: all three)
 set -u
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
@@ -59,8 +67,10 @@ for step in $STEPS; do
     ;;
   peers)
     for run in $PEER_RUNS; do
-      m=${run%%:*} w=${run#*:} model=${run%%:*}
-      [ "$m" = smollm2-shape ] && model=$(smollm2_shape)
+      m=${run%%:*} w=${run#*:}
+      if [ "$m" = smollm2-shape ]; then model=$(smollm2_shape)
+      else model=$(python3 -c "from bench.matrix_models import resolve_model as r; print(r('$m'))" | tail -1)
+      fi
       python3 -m bench peers --model "$model" --workload "$w" --peers "$PEERS" --device cuda \
         --no-ceiling --no-floor --plot-dir '' --out "$OUT/peers-$m-$w" \
         >"$OUT/peers-$m-$w.log" 2>&1 || { echo "peers $m $w failed"; tail -5 "$OUT/peers-$m-$w.log"; }
@@ -73,7 +83,8 @@ for step in $STEPS; do
     ;;
   swap)
     python3 -m bench.swap_cost "$(smollm2_shape)" --lengths 128,512,2048,8192
-    python3 -m bench.swap_cost models/gqa-qwen2-bf16 --lengths 128,512,2048,8192
+    python3 -m bench.swap_cost "$(python3 -c "from bench.matrix_models import resolve_model as r
+print(r('qwen2-gqa'))" | tail -1)" --lengths 128,512,2048,8192
     ;;
   esac
 done
