@@ -421,3 +421,40 @@ def test_swapper_weighs_the_measured_costs_and_keeps_account():
     assert prefilling.prefilling and not sw.choose(prefilling)
     with pytest.raises(ValueError, match="preemption mode"):
         Swapper("sometimes", fast)
+
+
+def _loop_with_swapped() -> tuple[IterationLoop, Sequence]:
+    """A loop whose worker has swap space, and a running sequence it has just swapped out
+    (its swap-out not yet sent, one token of it in flight)."""
+    loop = IterationLoop(Worker(1 << 30), max_rolling_batch_size=2, max_queue=16,
+                         max_sparsity=0.3, max_splits=2, worker_timeout=5,
+                         metrics=SchedulerMetrics(), max_num_batched_tokens=4096,
+                         steps_in_flight=2, preemption_mode="swap")
+    s = request(loop, 8, 40, priority=5)
+    loop.submit(s)
+    loop.waiting.remove(s)
+    s.start_running(0.0)
+    s.prefilled, s.output_ids, s.in_flight = s.prefill_target, [7, 8], 1
+    assert loop.swapper.stop(s)
+    loop.waiting.push_front([s])
+    return loop, s
+
+
+def test_a_swapped_request_handed_to_another_worker_is_released_here():
+    loop, s = _loop_with_swapped()
+    loop.hand_off_waiting(lambda seqs: True)
+    assert not s.swapped and s.in_flight == 0 and not loop.swapper.out
+    assert not loop.swapper.held and not loop.swapper.pending  # its swap-out never goes
+    assert loop.to_release == [s.seq_id] and s not in list(loop.waiting)
+
+
+def test_a_swapped_request_cancelled_is_released_and_a_failed_worker_forgets_them():
+    loop, s = _loop_with_swapped()
+    loop.cancel(s)
+    assert s.finished and not s.swapped and loop.to_release == [s.seq_id]
+    assert not loop.swapper.out and not loop.swapper.pending and not len(loop.waiting)
+    loop, s = _loop_with_swapped()
+    loop.swapper.forget()  # recovery.recover: the worker lost the swapped KV
+    assert not s.swapped and s.in_flight == 0 and s in list(loop.waiting)
+    s.start_running(0.0)
+    assert s.prefilling and s.prefill_target == 8 + 2  # prefilled again, output included
