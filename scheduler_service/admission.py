@@ -178,11 +178,13 @@ def fitting_prefix(candidates: Iterable[Sequence], budget: Budget,
             prefill -= chunk_end(s.prefilled, s.prefill_target, prefill, True) - s.prefilled
         if slots <= 0 or seq.reserved_tokens > tokens:
             break
-        if prefill <= 0 or (admitted and not budget.chunked and seq.length > prefill):
+        # A swapped-out sequence comes back with its KV: one decoding token, no prompt.
+        cost = 1 if seq.swapped else seq.length
+        if prefill <= 0 or (admitted and not budget.chunked and cost > prefill):
             break
         admitted.append(seq)
         slots -= 1
         tokens -= seq.reserved_tokens
-        prefill -= min(seq.length, prefill)
+        prefill -= min(cost, prefill)
     return admitted
 

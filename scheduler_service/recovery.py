@@ -34,8 +34,8 @@ async def recover(loop: IterationLoop, exc: StepFailed) -> None:
                    len(loop.running))
     # Only the failed Step's sequences are suspects: those first sent in a later Step
     # never ran.
-    suspects = ({sid for members in failed.plan.groups for sid in members} if failed
-                else set(loop.running))
+    suspects = ({sid for members in failed.plan.groups for sid in members}
+                | set(failed.plan.swap_out) if failed else set(loop.running))
     loop._recovering = True
     loop._set_worker_up(False)
     loop._close_stream()  # the Steps sent after the failed one are void

@@ -21,15 +21,15 @@ from worker_service.sequence import DecodingParams
 from worker_service.step import PrefillSpec
 
 CPU = torch.device("cpu")
-# On a machine with a GPU the engine tests run there too: pinned host memory and copies
-# that do not block the host are the accelerator's path.
+# On a machine with a GPU the engine tests run there too: copies between the device and
+# host memory are the accelerator's path.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("dims", [UNIFORM, MIXED])
 def test_a_row_goes_to_host_memory_and_back_exactly(dims):
     g, truth = _group(dims, rows=3, length=10)
-    host = g.row_to_host(1, pin=False)
+    host = g.row_to_host(1)
     assert host.length == 10 and host.nbytes == 10 * g.shape.bytes_per_token
     other, _ = _group(dims, rows=2, length=7)
     row = other.add_row_from_host(555, host, reserve_length=12)
@@ -39,8 +39,8 @@ def test_a_row_goes_to_host_memory_and_back_exactly(dims):
 
 
 def test_swap_space_keeps_account():
-    space = SwapSpace(100, CPU)
-    assert not space.pin and space.fits(100) and not space.fits(101)
+    space = SwapSpace(100)
+    assert space.fits(100) and not space.fits(101)
     assert swap_capacity(-1, CPU) == 0 and swap_capacity(-1, torch.device("cuda")) == 4 << 30
     assert swap_capacity(123, torch.device("cuda")) == 123
     assert measure_copy_rate(CPU, nbytes=1 << 20, repeats=1) > 0
@@ -51,7 +51,7 @@ def _engines(model_dir, device: str = "cpu"):
     swapped-in sequence's prompt must not be copied over the KV it brings back)."""
     runner = ModelRunner(str(model_dir), device=device)
     cache = PrefixCache(runner.kv_shape, 64 << 20, 16)
-    return Engine(runner), Engine(runner, cache, swap=SwapSpace(1 << 30, runner.device))
+    return Engine(runner), Engine(runner, cache, swap=SwapSpace(1 << 30))
 
 
 def _prompts() -> list[list[int]]:
@@ -89,7 +89,6 @@ def _run(engine: Engine, steps: int, out_at: int | None = None, back_at: int | N
 def test_a_swapped_sequence_decodes_on_as_if_never_paused(device):
     model_dir = tiny_model("llama")
     plain, swapping = _engines(model_dir, device)
-    assert swapping.swap.pin == (device != "cpu")
     uninterrupted = _run(plain, 12)
     paused = _run(swapping, 15, out_at=4, back_at=7)
     assert len(swapping.swap) == 0 and swapping.swap.used_bytes == 0

@@ -458,3 +458,17 @@ def test_a_swapped_request_cancelled_is_released_and_a_failed_worker_forgets_the
     assert not s.swapped and s.in_flight == 0 and s in list(loop.waiting)
     s.start_running(0.0)
     assert s.prefilling and s.prefill_target == 8 + 2  # prefilled again, output included
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_swapped_sequence_is_admitted_for_one_token_of_the_prefill_budget(chunked):
+    """It comes back with its KV: admission charges it one decoding token, not its
+    length, so a 600-token one leaves a 100-token budget to the prompt behind it."""
+    from scheduler_service.admission import Budget, fitting_prefix
+
+    swapped, fresh = _seq(1, 500, 100), _seq(2, 50, 0)
+    swapped.swapped = True
+    budget = Budget(free_slots=4, free_kv_tokens=10**6, prefill_tokens=100, chunked=chunked)
+    assert fitting_prefix([swapped, fresh], budget) == [swapped, fresh]
+    swapped.swapped = False  # to be prefilled again: its 600 tokens take the budget
+    assert fitting_prefix([swapped, fresh], budget) == [swapped]

@@ -208,19 +208,19 @@ class KVGroup:
         self.copied_bytes += length * self.shape.bytes_per_token
         return row
 
-    def row_to_host(self, row: int, pin: bool) -> HostKV:
-        """A copy of row `row`'s KV in host memory (pinned where `pin`: an accelerator
-        then copies it back without staging)."""
+    def row_to_host(self, row: int) -> HostKV:
+        """A copy of row `row`'s KV in (pageable) host memory: kv_swap.SwapSpace says why
+        not pinned."""
         n = self._lengths[row]
         if self.kv is not None:
             src = self.kv[:, :, row, :, :n]
-            host = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+            host = torch.empty(src.shape, dtype=src.dtype)
             host.copy_(src)
             return HostKV(n, host, None)
         layers = []
         for k, v in zip(self.keys, self.values):
-            hk = torch.empty(k[row, :, :n].shape, dtype=k.dtype, pin_memory=pin)
-            hv = torch.empty(v[row, :, :n].shape, dtype=v.dtype, pin_memory=pin)
+            hk = torch.empty(k[row, :, :n].shape, dtype=k.dtype)
+            hv = torch.empty(v[row, :, :n].shape, dtype=v.dtype)
             hk.copy_(k[row, :, :n])
             hv.copy_(v[row, :, :n])
             layers.append((hk, hv))
@@ -232,12 +232,12 @@ class KVGroup:
         row = self.add_empty_row(seq_id, max(reserve_length, host.length + 1))
         n = host.length
         if self.kv is not None and host.kv is not None:
-            self.kv[:, :, row, :, :n].copy_(host.kv, non_blocking=host.kv.is_pinned())
+            self.kv[:, :, row, :, :n].copy_(host.kv)
         else:
             for layer in range(self.shape.num_layers):
                 hk, hv = host.layer(layer)
-                self.keys[layer][row, :, :n].copy_(hk, non_blocking=hk.is_pinned())
-                self.values[layer][row, :, :n].copy_(hv, non_blocking=hv.is_pinned())
+                self.keys[layer][row, :, :n].copy_(hk)
+                self.values[layer][row, :, :n].copy_(hv)
         self._lengths[row] = n
         self.copied_bytes += n * self.shape.bytes_per_token
         return row

@@ -56,12 +56,15 @@ class Swapped:
 
 
 class SwapSpace:
-    """The swapped-out sequences, within `capacity_bytes` of host memory."""
+    """The swapped-out sequences, within `capacity_bytes` of host memory.
 
-    def __init__(self, capacity_bytes: int, device: torch.device):
+    The copies live in pageable memory, not pinned: torch's pinned-memory cache rounds each
+    block up to a power of two and keeps freed blocks, so swaps of ever new lengths could
+    hold up to twice the swap space pinned. A pinned pool of capacity_bytes carved into
+    token blocks (vLLM's way) would copy faster; it is not built."""
+
+    def __init__(self, capacity_bytes: int):
         self.capacity_bytes = capacity_bytes
-        # Pinned host memory lets an accelerator copy without staging; CPU needs none.
-        self.pin = device.type != "cpu"
         self._held: dict[int, Swapped] = {}
         self.used_bytes = 0
 
@@ -114,7 +117,7 @@ def swap_out(engine: Engine, seq_id: int) -> None:
         raise StepError(f"swap_out of sequence {seq_id} needs {nbytes} bytes; the swap "
                         f"space has {engine.swap.capacity_bytes - engine.swap.used_bytes} of "
                         f"{engine.swap.capacity_bytes} left")
-    engine.swap.put(seq, group.row_to_host(row, engine.swap.pin))
+    engine.swap.put(seq, group.row_to_host(row))
     del engine.sequences[seq_id]
     del engine.group_of[seq_id]
     group.remove_row(row)
@@ -138,10 +141,11 @@ def _sync(device: torch.device) -> None:
 
 
 def measure_copy_rate(device: torch.device, nbytes: int = 32 << 20, repeats: int = 3) -> float:
-    """Bytes per second of a copy from `device` to (pinned) host memory and back, each
-    direction counted once: the median of `repeats` round trips after one unmeasured."""
+    """Bytes per second of a copy from `device` to host memory (pageable, as SwapSpace
+    keeps it) and back, each direction counted once: the median of `repeats` round trips
+    after one unmeasured."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type != "cpu")
+    host = torch.empty(nbytes, dtype=torch.uint8)
     times = []
     for _ in range(repeats + 1):
         _sync(device)
@@ -154,8 +158,9 @@ def measure_copy_rate(device: torch.device, nbytes: int = 32 << 20, repeats: int
 
 
 def measure_prefill_rate(engine, tokens: int) -> float:
-    """Prompt tokens per second of one `tokens`-token prefill forward (after the warm-up,
-    so kernels are loaded): what recomputing a preempted sequence costs per token."""
+    """Prompt tokens per second of one `tokens`-token prefill step (Engine.warm_up's
+    prompts of up to 256 tokens, after the warm-up, so kernels are loaded): what
+    recomputing a preempted sequence costs per token."""
     device = engine.device
     _sync(device)
     t0 = time.perf_counter()

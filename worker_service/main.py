@@ -77,7 +77,7 @@ def follower_main(cfg, me: tp.Rank, device: str) -> int:
     swap_bytes = swap_capacity(cfg.swap_space_bytes, runner.device)
     engine = Engine(runner, PrefixCache(runner.kv_shape, cfg.prompt_cache_bytes,
                                         cfg.prompt_cache_block_tokens),
-                    swap=SwapSpace(swap_bytes, runner.device) if swap_bytes else None)
+                    swap=SwapSpace(swap_bytes) if swap_bytes else None)
     code = follow(engine)
     logger.info("rank %d exits (%d)", me.rank, code)
     return code
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                     cfg.length_predictor)
     swap_bytes = swap_capacity(cfg.swap_space_bytes, runner.device)
     engine = Engine(runner, prefix_cache, probe,
-                    SwapSpace(swap_bytes, runner.device) if swap_bytes else None)
+                    SwapSpace(swap_bytes) if swap_bytes else None)
     if degree > 1:
         # Every call that changes the engine or runs the model reaches every rank.
         engine = LeaderEngine(engine)
