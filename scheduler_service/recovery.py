@@ -103,9 +103,14 @@ async def watch_worker(loop: IterationLoop, interval: float = 1.0, misses: int =
             missed = 0
             continue
         try:
-            await loop.worker.fetch_info(timeout=max(2 * interval, 2.0))
+            info = await loop.worker.fetch_info(timeout=max(2 * interval, 2.0))
             missed = 0
             loop._set_worker_up(True)
+            if info.swap != loop.swapper.facts and not loop.swapper.held:
+                # A worker restarted between Steps with other swap space or rates: the
+                # choice follows it (with KV swapped out, the next Step fails first and
+                # recovery re-reads everything).
+                loop.swapper.facts = info.swap
         except grpc.aio.AioRpcError as exc:
             missed += 1
             if missed >= misses and loop.worker_up:

@@ -472,3 +472,31 @@ def test_a_swapped_sequence_is_admitted_for_one_token_of_the_prefill_budget(chun
     assert fitting_prefix([swapped, fresh], budget) == [swapped, fresh]
     swapped.swapped = False  # to be prefilled again: its 600 tokens take the budget
     assert fitting_prefix([swapped, fresh], budget) == [swapped]
+
+
+def test_the_swap_choice_follows_a_worker_restarted_with_other_swap_space():
+    """watch_worker reads each Info: a worker that came back with no swap space between
+    two Steps is no longer sent victims to swap (nothing of it was swapped out)."""
+    from scheduler_service.recovery import watch_worker
+
+    worker = Worker(1 << 30)
+    loop = IterationLoop(worker, max_rolling_batch_size=2, max_queue=16, max_sparsity=0.3,
+                         max_splits=2, worker_timeout=5, metrics=SchedulerMetrics(),
+                         max_num_batched_tokens=4096, steps_in_flight=2,
+                         preemption_mode="swap")
+    restarted = Worker(0).info
+
+    async def fetch_info(timeout):
+        return restarted
+
+    worker.fetch_info = fetch_info
+
+    async def run():
+        task = asyncio.create_task(watch_worker(loop, interval=0.01))
+        while loop.swapper.facts.capacity_bytes:
+            await asyncio.sleep(0.01)
+        loop.stop()
+        await task
+
+    asyncio.run(asyncio.wait_for(run(), 10))
+    assert loop.swapper.facts == restarted.swap and not loop.swapper.choose(_seq(1, 90, 11))
