@@ -14,10 +14,13 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+
+from bench.floor import ModelShape
 
 
 def _sync(device: torch.device) -> None:
@@ -37,19 +40,11 @@ def _median_ms(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return 2 * text.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
-
-
 def measure(model_dir: Path, lengths: list[int], device: torch.device, repeats: int) -> list[dict]:
     config = AutoConfig.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).to(device).eval()
-    dtype = model.dtype
-    per_token = kv_bytes_per_token(config, dtype)
+    shape = ModelShape.from_config(config.to_dict())
+    per_token = replace(shape, dtype_bytes=model.dtype.itemsize).kv_bytes_per_token()
     rows = []
     for n in lengths:
         ids = torch.randint(0, config.vocab_size, (1, n), device=device)

@@ -154,7 +154,7 @@ class Engine:
         for sid in swap_out or ():
             kv_swap.swap_out(self, sid)
         restored = {sid: kv_swap.swap_in(self, sid) for sid in swap_in or ()}
-        new_ids = set(restored) | step_checks.new_sequences(prefill, self.sequences, restored,
+        new_ids = set(restored) | step_checks.new_sequences(prefill, self.sequences,
                                                             self.swap or ())
         chunks = chunks or {}
         step_checks.check_plan(plan, self.sequences, new_ids)

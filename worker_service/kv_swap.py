@@ -10,7 +10,6 @@ between the device and host memory, and the prefill rate (docs/scheduling.md).
 
 from __future__ import annotations
 
-import logging
 import statistics
 import time
 from dataclasses import dataclass
@@ -24,8 +23,6 @@ from worker_service.step import StepError
 
 if TYPE_CHECKING:
     from worker_service.engine import Engine
-
-logger = logging.getLogger(__name__)
 
 # Host memory kept for swapped-out KV where option.swap_space_bytes is -1 (auto): vLLM's
 # default swap space on an accelerator; none on CPU, whose KV budget is host memory already.

@@ -10,11 +10,12 @@ from worker_service.step import PrefillSpec, StepError
 
 
 def new_sequences(prefill: list[PrefillSpec], live: Mapping[int, SequenceState],
-                  restored: Collection[int], swapped: Collection[int]) -> set[int]:
-    """The ids the Step creates, each new to the worker and with tokens to prefill."""
+                  swapped: Collection[int]) -> set[int]:
+    """The ids the Step creates, each new to the worker (`live` holds those swapped in by
+    this Step already) and with tokens to prefill."""
     new_ids: set[int] = set()
     for ns in prefill:
-        if ns.seq_id in live or ns.seq_id in restored or ns.seq_id in new_ids:
+        if ns.seq_id in live or ns.seq_id in new_ids:
             raise StepError(f"sequence {ns.seq_id} already exists; release it first")
         if ns.seq_id in swapped:
             raise StepError(f"sequence {ns.seq_id} is swapped out; swap it in or release "
