@@ -29,10 +29,10 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("dims", [UNIFORM, MIXED])
 def test_a_row_goes_to_host_memory_and_back_exactly(dims):
     g, truth = _group(dims, rows=3, length=10)
-    host = g.row_to_host(1)
-    assert host.length == 10 and host.nbytes == 10 * g.shape.bytes_per_token
+    host = g.copy_out(1, 0, g.length(1), CPU)
+    assert host.slots == 10 and host.nbytes == 10 * g.shape.bytes_per_token
     other, _ = _group(dims, rows=2, length=7)
-    row = other.add_row_from_host(555, host, reserve_length=12)
+    row = other.add_row_with(555, host, reserve_length=12)
     assert row == 2 and other.seq_ids[row] == 555 and other.length(row) == 10
     assert _holds(other, row, truth[1], 10)
     assert other.length_capacity >= 12

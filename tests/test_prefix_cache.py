@@ -171,8 +171,7 @@ def test_eviction_keeps_pinned_blocks_and_stops_at_the_first_block_that_does_not
 @pytest.mark.parametrize("heads,dims", [((2, 2, 2), (4, 4, 4)), ((2, 1, 2), (4, 4, 8))])
 def test_inserted_blocks_hold_their_own_copy_of_each_layer(heads, dims):
     """Every layer's keys and values of a row's new blocks, whatever it already held or
-    its layers' shapes (alike: copied out of one stacked view; differing: layer by
-    layer): equal to the row's slots, and sharing storage with neither the group nor
+    its layers' shapes (alike: one copy a block; differing: layer by layer): equal to the row's slots, and sharing storage with neither the group nor
     another block, so that evicting a block frees it."""
     import torch
 
@@ -196,9 +195,10 @@ def test_inserted_blocks_hold_their_own_copy_of_each_layer(heads, dims):
         row = 1 if b < 2 else 0
         sl = slice(b * BLOCK, (b + 1) * BLOCK)
         for layer in range(shape.num_layers):
-            assert torch.equal(block.keys[layer], group.keys[layer][row, :, sl])
-            assert torch.equal(block.values[layer], group.values[layer][row, :, sl])
-        own = {t.untyped_storage().data_ptr() for t in block.keys + block.values}
+            keys, values = block.kv.layer(layer)
+            assert torch.equal(keys, group.keys[layer][row, :, sl])
+            assert torch.equal(values, group.values[layer][row, :, sl])
+        own = {t.untyped_storage().data_ptr() for t in block.kv.tensors()}
         assert not own & storages
         storages |= own
     # A hit writes the blocks back into a row: one copy a block where the layers agree.

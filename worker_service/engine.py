@@ -15,7 +15,7 @@ import torch
 from worker_service import kv_swap, sampling, step_checks
 from worker_service.beam import BeamSearches
 from worker_service.contrastive import CandidateTree, ContrastiveSearch
-from worker_service.kv_groups import HostKV, KVGroup
+from worker_service.kv_groups import DetachedKV, KVGroup
 from worker_service.kv_swap import SwapSpace
 from worker_service.length_probe import LengthProbe
 from worker_service.model_runner import ModelRunner
@@ -185,7 +185,7 @@ class Engine:
         return result
 
     def _regroup(self, plan: list[list[int]], new_ids: set[int],
-                 restored: dict[int, HostKV] | None = None
+                 restored: dict[int, DetachedKV] | None = None
                  ) -> tuple[list[KVGroup], list[int], int]:
         """Make one KVGroup per planned group, moving as few rows as possible; the rows of
         new sequences are empty, those of `restored` ones (swapped in) hold their KV."""
@@ -236,7 +236,7 @@ class Engine:
                                       max(self._reserve_length(sid) for sid in fresh))
             for sid in fresh:
                 if sid in restored:
-                    group.add_row_from_host(sid, restored[sid], self._reserve_length(sid))
+                    group.add_row_with(sid, restored[sid], self._reserve_length(sid))
                 else:
                     group.add_empty_row(sid, self._reserve_length(sid))
                 self.group_of[sid] = group

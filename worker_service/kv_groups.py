@@ -58,12 +58,13 @@ class KVShape:
 
 
 @dataclass
-class HostKV:
-    """One row's KV in host memory, for a sequence swapped out of its group: `kv`
-    [2, layers, heads, length, dim] where the group's layers share one shape, else
-    `layer_kv`, (keys, values) [heads, length, dim] per layer."""
+class DetachedKV:
+    """KV slots of one group row copied out of the group, sharing no storage with it: a
+    prefix cache block, or a swapped-out row in host memory. `kv` [2, layers, heads,
+    slots, dim] where the layers' shapes agree (one copy out and one back), else
+    `layer_kv`, (keys, values) [heads, slots, dim] per layer."""
 
-    length: int
+    slots: int
     kv: torch.Tensor | None
     layer_kv: list[tuple[torch.Tensor, torch.Tensor]] | None
 
@@ -72,11 +73,12 @@ class HostKV:
             return self.kv[0, layer], self.kv[1, layer]
         return self.layer_kv[layer]
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.kv] if self.kv is not None else [t for pair in self.layer_kv for t in pair]
+
     @property
     def nbytes(self) -> int:
-        if self.kv is not None:
-            return self.kv.numel() * self.kv.element_size()
-        return sum(t.numel() * t.element_size() for pair in self.layer_kv for t in pair)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 def _round_up(n: int, align: int) -> int:
@@ -208,38 +210,39 @@ class KVGroup:
         self.copied_bytes += length * self.shape.bytes_per_token
         return row
 
-    def row_to_host(self, row: int) -> HostKV:
-        """A copy of row `row`'s KV in (pageable) host memory: kv_swap.SwapSpace says why
-        not pinned."""
-        n = self._lengths[row]
-        if self.kv is not None:
-            src = self.kv[:, :, row, :, :n]
-            host = torch.empty(src.shape, dtype=src.dtype)
-            host.copy_(src)
-            return HostKV(n, host, None)
-        layers = []
-        for k, v in zip(self.keys, self.values):
-            hk = torch.empty(k[row, :, :n].shape, dtype=k.dtype)
-            hv = torch.empty(v[row, :, :n].shape, dtype=v.dtype)
-            hk.copy_(k[row, :, :n])
-            hv.copy_(v[row, :, :n])
-            layers.append((hk, hv))
-        return HostKV(n, None, layers)
+    def copy_out(self, row: int, start: int, end: int,
+                 device: torch.device | None = None) -> DetachedKV:
+        """A copy of slots [start, end) of a row, on `device` (the group's by default)."""
+        device = device or self.shape.device
 
-    def add_row_from_host(self, seq_id: int, host: HostKV, reserve_length: int) -> int:
-        """Append a row for `seq_id` holding the KV of `host` (a swapped-out sequence
-        coming back); returns the row."""
-        row = self.add_empty_row(seq_id, max(reserve_length, host.length + 1))
-        n = host.length
-        if self.kv is not None and host.kv is not None:
-            self.kv[:, :, row, :, :n].copy_(host.kv)
-        else:
-            for layer in range(self.shape.num_layers):
-                hk, hv = host.layer(layer)
-                self.keys[layer][row, :, :n].copy_(hk)
-                self.values[layer][row, :, :n].copy_(hv)
-        self._lengths[row] = n
-        self.copied_bytes += n * self.shape.bytes_per_token
+        def copy(src: torch.Tensor) -> torch.Tensor:
+            if device == src.device:
+                return src.clone(memory_format=torch.contiguous_format)
+            return src.to(device, copy=True)
+
+        if self.kv is not None:
+            return DetachedKV(end - start, copy(self.kv[:, :, row, :, start:end]), None)
+        return DetachedKV(end - start, None, [(copy(k[row, :, start:end]), copy(v[row, :, start:end]))
+                                              for k, v in zip(self.keys, self.values)])
+
+    def copy_in(self, row: int, start: int, kv: DetachedKV, n: int) -> None:
+        """Write the first `n` slots of `kv` into slots [start, start + n) of a row (its
+        length is the caller's to set)."""
+        if self.kv is not None and kv.kv is not None:
+            self.kv[:, :, row, :, start:start + n].copy_(kv.kv[:, :, :, :n])
+            return
+        for layer in range(self.shape.num_layers):
+            k, v = kv.layer(layer)
+            self.keys[layer][row, :, start:start + n].copy_(k[:, :n])
+            self.values[layer][row, :, start:start + n].copy_(v[:, :n])
+
+    def add_row_with(self, seq_id: int, kv: DetachedKV, reserve_length: int) -> int:
+        """Append a row for `seq_id` holding the KV of `kv` (a swapped-out sequence coming
+        back); returns the row."""
+        row = self.add_empty_row(seq_id, max(reserve_length, kv.slots + 1))
+        self.copy_in(row, 0, kv, kv.slots)
+        self._lengths[row] = kv.slots
+        self.copied_bytes += kv.slots * self.shape.bytes_per_token
         return row
 
     def copy_within(self, src_row: int, dst_row: int, start: int) -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from worker_service.kv_groups import HostKV
+from worker_service.kv_groups import DetachedKV
 from worker_service.sequence import SequenceState
 from worker_service.step import StepError
 
@@ -49,7 +49,7 @@ class Swapped:
     """A swapped-out sequence: its worker state and its KV in host memory."""
 
     seq: SequenceState
-    kv: HostKV
+    kv: DetachedKV
 
 
 class SwapSpace:
@@ -74,7 +74,7 @@ class SwapSpace:
     def fits(self, nbytes: int) -> bool:
         return self.used_bytes + nbytes <= self.capacity_bytes
 
-    def put(self, seq: SequenceState, kv: HostKV) -> None:
+    def put(self, seq: SequenceState, kv: DetachedKV) -> None:
         self._held[seq.seq_id] = Swapped(seq, kv)
         self.used_bytes += kv.nbytes
 
@@ -114,13 +114,13 @@ def swap_out(engine: Engine, seq_id: int) -> None:
         raise StepError(f"swap_out of sequence {seq_id} needs {nbytes} bytes; the swap "
                         f"space has {engine.swap.capacity_bytes - engine.swap.used_bytes} of "
                         f"{engine.swap.capacity_bytes} left")
-    engine.swap.put(seq, group.row_to_host(row))
+    engine.swap.put(seq, group.copy_out(row, 0, group.length(row), torch.device("cpu")))
     del engine.sequences[seq_id]
     del engine.group_of[seq_id]
     group.remove_row(row)
 
 
-def swap_in(engine: Engine, seq_id: int) -> HostKV:
+def swap_in(engine: Engine, seq_id: int) -> DetachedKV:
     """Make a swapped-out sequence live again; returns its KV for `_regroup` to place."""
     if engine.swap is None or seq_id not in engine.swap:
         raise StepError(f"swap_in of sequence {seq_id}, which this worker does not hold "

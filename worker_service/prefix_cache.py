@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker_service.kv_groups import KVGroup, KVShape
+from worker_service.kv_groups import DetachedKV, KVGroup, KVShape
 
 logger = logging.getLogger(__name__)
 
@@ -32,23 +32,9 @@ class Block:
     tokens: tuple[int, ...]
     depth: int
     nbytes: int
+    kv: DetachedKV
     pinned: bool = False
     last_used: int = 0
-    # Where the layers' shapes agree: [2, layers, kv_heads, block_tokens, head_dim], one
-    # copy into a group row. Otherwise per layer keys and values [kv_heads, block_tokens,
-    # head_dim].
-    kv: torch.Tensor | None = None
-    layer_kv: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
-
-    # Per-layer views are made when asked for, not kept per block: making 60 of them a
-    # block was 80% of caching a prompt.
-    @property
-    def keys(self) -> list[torch.Tensor]:
-        return list(self.kv[0].unbind(0)) if self.kv is not None else self.layer_kv[0]
-
-    @property
-    def values(self) -> list[torch.Tensor]:
-        return list(self.kv[1].unbind(0)) if self.kv is not None else self.layer_kv[1]
 
 
 @dataclass
@@ -109,13 +95,7 @@ class PrefixCache:
             n = min(bt, tokens - b * bt)
             if n <= 0:
                 break
-            if group.kv is not None and block.kv is not None:
-                group.kv[:, :, row, :, b * bt : b * bt + n] = block.kv[:, :, :, :n]
-                continue
-            keys, values = block.keys, block.values
-            for layer in range(self.shape.num_layers):
-                group.keys[layer][row, :, b * bt : b * bt + n] = keys[layer][:, :n]
-                group.values[layer][row, :, b * bt : b * bt + n] = values[layer][:, :n]
+            group.copy_in(row, b * bt, block.kv, n)
 
     def insert(self, token_ids: list[int], group: KVGroup, row: int, pin_tokens: int = 0) -> None:
         """Cache the full blocks of a just-prefilled row (blocks already held are touched)."""
@@ -135,7 +115,6 @@ class PrefixCache:
             fresh.append((b, key, parent, tokens, pinned))
         # Room for the row's new blocks at once (the pinned prefix first, which may evict
         # pinned blocks): one pass over the victims per row, not one per block.
-        span = self._row_span(group, row, fresh[0][0], fresh[-1][0] + 1) if fresh else None
         for pinned in (True, False):
             batch = [f for f in fresh if f[4] == pinned]
             if batch:
@@ -143,36 +122,13 @@ class PrefixCache:
             for b, key, parent, tokens, _ in batch:
                 if self.bytes_held + nbytes > self.capacity_bytes:
                     return  # a block is no use without its parent: stop at the first miss
-                kv, layer_kv = self._block_kv(group, row, b, fresh[0][0], span)
+                # One copy a block where the layers agree (making per-layer views of each
+                # block was most of the cost of caching a prompt).
                 self.blocks[key] = Block(
                     key=key, parent=parent, tokens=tokens, depth=b, nbytes=nbytes,
-                    pinned=pinned, last_used=self._clock, kv=kv, layer_kv=layer_kv)
+                    pinned=pinned, last_used=self._clock,
+                    kv=group.copy_out(row, b * bt, (b + 1) * bt))
                 self.bytes_held += nbytes
-
-    def _row_span(self, group: KVGroup, row: int, first: int, end: int) -> torch.Tensor | None:
-        """Blocks [first, end) of a row, every layer's keys and values in one view
-        [2, layers, heads, blocks, block_tokens, dim] of the group's one buffer, no copy:
-        each block is then one copy out of it instead of two a layer (25 blocks of
-        SmolLM2's 30 layers: 0.46 ms, against 2.7-3.0 ms through a stacked copy of the
-        span). None where the group keeps a buffer a layer (the layers' shapes differ)."""
-        if group.kv is None:
-            return None
-        bt = self.block_tokens
-        span = group.kv[:, :, row, :, first * bt:end * bt]
-        return span.unflatten(3, (end - first, bt))
-
-    def _block_kv(self, group: KVGroup, row: int, b: int, first: int,
-                  span: torch.Tensor | None):
-        """Block b's keys and values: from a span one tensor [2, layers, heads,
-        block_tokens, dim] (and None), else None and the per-layer lists; copies that share
-        no storage with the group or with another block (so evicting a block frees its
-        bytes)."""
-        if span is not None:
-            return span[:, :, :, b - first].clone(), None
-        sl = slice(b * self.block_tokens, (b + 1) * self.block_tokens)
-        layers = range(self.shape.num_layers)
-        return None, ([group.keys[layer][row, :, sl].clone() for layer in layers],
-                      [group.values[layer][row, :, sl].clone() for layer in layers])
 
     def _make_room(self, nbytes: int, pinned: bool) -> bool:
         if self.bytes_held + nbytes <= self.capacity_bytes:
