@@ -326,7 +326,8 @@ class IterationLoop:
         reserved = sum(s.reserved_tokens for s in self.running.values())
         self.metrics.observe_step(self.name, step.plan, answer, step.plan_seconds, waited, t3 - t2)
         self.pacer.observe(*step.size, answer.worker_seconds)
-        self.metrics.set_load(self.name, len(self.running), reserved, self.kv_budget)
+        self.metrics.set_load(self.name, len(self.running), reserved, self.kv_budget,
+                              len(self.swapper.out))
 
     def _close_stream(self) -> None:
         if self._answer is not None:

@@ -34,6 +34,9 @@ class SchedulerMetrics:
                                 registry=r)
         self.running = Gauge("seqserve_num_requests_running", "Sequences in the running batch",
                              registry=r)
+        self.swapped = Gauge("seqserve_num_requests_swapped",
+                             "Preempted sequences whose KV waits in a worker's swap space",
+                             registry=r)
         self.batch_size = Histogram("seqserve_batch_size", "Sequences run per step",
                                     buckets=_BATCH, registry=r)
         self.splits = Histogram("seqserve_batch_splits", "Groups (attention calls per layer) per step",
@@ -126,6 +129,7 @@ class SchedulerMetrics:
         self._tokens = 0  # generated tokens not yet added to generation_tokens
         self._waiting: dict[str, int] = {}
         self._load: dict[str, tuple[int, int, int]] = {}  # worker -> running, reserved, budget
+        self._swapped: dict[str, int] = {}  # worker -> sequences swapped out there
         self._ready: dict[str, bool] = {}
         self._kv: dict[str, tuple[int, int, int]] = {}  # prefix-cache bytes, slots, tokens
 
@@ -162,8 +166,11 @@ class SchedulerMetrics:
         self.worker_waiting.labels(worker).set(n)
         self.queue_size.set(sum(self._waiting.values()))
 
-    def set_load(self, worker: str, running: int, reserved: int, budget: int) -> None:
+    def set_load(self, worker: str, running: int, reserved: int, budget: int,
+                 swapped: int = 0) -> None:
         self._load[worker] = (running, reserved, budget)
+        self._swapped[worker] = swapped
+        self.swapped.set(sum(self._swapped.values()))
         self.worker_running.labels(worker).set(running)
         self.worker_kv_used.labels(worker).set(reserved / budget if budget else 0.0)
         self.running.set(sum(r for r, _, _ in self._load.values()))
@@ -178,7 +185,7 @@ class SchedulerMetrics:
     def remove_worker(self, worker: str) -> None:
         """A drained worker left: drop its gauges from the sums and the export (its
         placement counter stays, so totals never go down)."""
-        for d in (self._waiting, self._load, self._ready, self._kv):
+        for d in (self._waiting, self._load, self._ready, self._kv, self._swapped):
             d.pop(worker, None)
         for g in (self.worker_ready, self.worker_running, self.worker_waiting,
                   self.worker_kv_used):
@@ -189,6 +196,7 @@ class SchedulerMetrics:
         self.worker_up.set(sum(self._ready.values()))
         self.queue_size.set(sum(self._waiting.values()))
         self.running.set(sum(r for r, _, _ in self._load.values()))
+        self.swapped.set(sum(self._swapped.values()))
 
     def observe_step(self, worker: str, plan: StepPlan, answer: StepAnswer, plan_s: float,
                      rpc_s: float, post_s: float) -> None:

@@ -176,6 +176,8 @@ class Engine:
         result.regroup_bytes = self._copied() + dropped_bytes
         result.sequences = len(self.sequences)
         result.kv_allocated_bytes = self.allocated_bytes()
+        if self.swap is not None:
+            result.swapped_sequences, result.swap_bytes = len(self.swap), self.swap.used_bytes
         pc = self.prefix_cache
         if pc is not None:
             st = pc.stats

@@ -43,6 +43,10 @@ class WorkerMetrics:
                                         "Blocks evicted from the prefix cache", registry=r)
         self.prefix_bytes = Gauge("seqserve_worker_prefix_cache_bytes",
                                   "Bytes held by the prefix cache", registry=r)
+        self.swapped = Gauge("seqserve_worker_swapped_sequences",
+                             "Sequences swapped out to host memory", registry=r)
+        self.swap_bytes = Gauge("seqserve_worker_swap_bytes",
+                                "Bytes of KV the swap space holds", registry=r)
         self._last_stats = None
         self.kv_allocated = Gauge("seqserve_worker_kv_allocated_bytes",
                                   "Bytes allocated for group KV buffers", registry=r)
@@ -61,6 +65,8 @@ class WorkerMetrics:
         self.kv_slots.set(result.kv_slots)
         self.kv_tokens.set(result.kv_tokens)
         self.kv_allocated.set(result.kv_allocated_bytes)
+        self.swapped.set(result.swapped_sequences)
+        self.swap_bytes.set(result.swap_bytes)
         if result.prefix_stats is not None:
             last = self._last_stats or (0, 0, 0, 0)
             now = result.prefix_stats

@@ -118,6 +118,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if self.metrics is not None:
                 self.metrics.sequences.set(0)
                 self.metrics.kv_tokens.set(0)
+                self.metrics.swapped.set(0)
+                self.metrics.swap_bytes.set(0)
 
     def attach(self, engine: Engine, swap_rates: SwapRates | None = None) -> None:
         self.kv_capacity_tokens = self.kv_cache_bytes // engine.runner.kv_shape.bytes_per_token

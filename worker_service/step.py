@@ -68,6 +68,8 @@ class StepResult:
     kv_allocated_bytes: int = 0
     prefix_cache_bytes: int = 0
     prefix_stats: tuple[int, int, int, int] | None = None  # queries, hits, hit tokens, evictions
+    swapped_sequences: int = 0
+    swap_bytes: int = 0
 
 
 @dataclass

@@ -1,0 +1,156 @@
+"""The scheduler's account of the worker's swap space against the worker's own: the
+iteration loop drives a real engine in process through the servicer's Step path (the
+StepRequest and StepResponse messages, no gRPC). After every Step the bytes the
+scheduler's Swapper counts as swapped out equal the bytes the engine's swap space holds,
+whatever the Steps in flight, and both sides' gauges say so; a swap space that fits one
+victim and not two is used to the byte; and every output equals model.generate."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from scheduler_service.detokenizer import IncrementalDetokenizer, StopMatcher
+from scheduler_service.loop import IterationLoop
+from scheduler_service.metrics import SchedulerMetrics
+from scheduler_service.params import DecodingConfig
+from scheduler_service.policies.priority import PriorityAdmission
+from scheduler_service.sequence import Sequence
+from scheduler_service.worker_client import StepAnswer, WorkerInfo, encode_step
+from seqserve_common.decoding import DecodingStrategy
+from tests.conftest import tiny_model
+from tests.test_engine import _reference
+from worker_service.engine import Engine
+from worker_service.kv_swap import SwapSpace
+from worker_service.metrics import WorkerMetrics
+from worker_service.model_runner import ModelRunner
+from worker_service.servicer import WorkerServicer
+
+LOW, URGENT = 5, 0
+MAX_NEW = 24
+
+
+class InProcessSteps:
+    """A Steps stream into the engine: each Step runs when its answer is awaited, as a
+    worker runs them one after the other, and the two accounts are compared then."""
+
+    def __init__(self, worker: InProcessWorker):
+        self.worker = worker
+        self.sent: list = []
+
+    async def send(self, step_id, plan):
+        # What the scheduler counts as held once this Step's swap-outs and swap-ins ran.
+        loop = self.worker.loop
+        held = sum(loop.swapper.held.values())
+        self.sent.append((encode_step(step_id, plan), held))
+        # The scheduler's gauge, as of the last answer.
+        self.worker.swapped_gauge.append(loop.metrics.swapped._value.get())
+
+    async def receive(self):
+        await asyncio.sleep(0)
+        w = self.worker
+        request, held = self.sent.pop(0)
+        result = w.servicer._submit(w.engine, request).result()
+        answer = StepAnswer.from_proto(w.servicer._response(request, result))
+        w.accounts.append((held, w.engine.swap.used_bytes))
+        w.most_swapped = max(w.most_swapped, len(w.engine.swap))
+        m = w.servicer.metrics
+        assert (m.swap_bytes._value.get(), m.swapped._value.get()) == \
+            (w.engine.swap.used_bytes, len(w.engine.swap))
+        return answer
+
+    def close(self):
+        pass
+
+
+class InProcessWorker:
+    address = "in-process"
+
+    def __init__(self, model_dir, swap_bytes: int):
+        self.engine = Engine(ModelRunner(str(model_dir)), swap=SwapSpace(swap_bytes))
+        self.servicer = WorkerServicer(kv_cache_bytes=64 << 20, metrics=WorkerMetrics())
+        self.servicer.attach(self.engine)
+        self.info = WorkerInfo.from_proto(self.servicer.Info(None, None))
+        self.loop: IterationLoop | None = None
+        self.accounts: list[tuple[int, int]] = []  # (scheduler's, worker's) after each Step
+        self.most_swapped = 0
+        self.swapped_gauge: list[float] = []  # seqserve_num_requests_swapped at each send
+
+    def open_steps(self):
+        return InProcessSteps(self)
+
+    async def wait_ready(self, timeout):
+        return self.info
+
+
+def _request(loop: IterationLoop, tokenizer, prompt: list[int], priority: int) -> Sequence:
+    return Sequence(seq_id=loop.new_seq_id(), request_id=str(len(prompt)), prompt_ids=prompt,
+                    params=DecodingConfig(max_new_tokens=MAX_NEW,
+                                          strategy=DecodingStrategy.GREEDY),
+                    detokenizer=IncrementalDetokenizer(tokenizer, []), stops=StopMatcher(()),
+                    priority=priority)
+
+
+def _run(in_flight: int, swap_tokens: int):
+    """Two low-priority requests of 12-token prompts fill both slots; after 4 or more
+    tokens (both 15 KV tokens or more) two urgent ones arrive and preempt both. The swap
+    space holds `swap_tokens` tokens."""
+    model_dir = tiny_model("llama")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    worker = InProcessWorker(model_dir, 0)
+    worker.engine.swap.capacity_bytes = swap_tokens * worker.info.swap.kv_bytes_per_token
+    worker.info = WorkerInfo.from_proto(worker.servicer.Info(None, None))
+    rng = random.Random(3)
+    prompts = [[rng.randint(3, 200) for _ in range(n)] for n in (12, 12, 5, 6)]
+
+    async def run():
+        loop = IterationLoop(worker, max_rolling_batch_size=2, max_queue=16, max_sparsity=0.3,
+                             max_splits=2, worker_timeout=30, metrics=SchedulerMetrics(),
+                             max_num_batched_tokens=4096, steps_in_flight=in_flight,
+                             policy=PriorityAdmission(aging_steps=1000), preemption_mode="swap")
+        worker.loop = loop
+        low = [_request(loop, tokenizer, p, LOW) for p in prompts[:2]]
+        for s in low:
+            loop.submit(s)
+        task = asyncio.create_task(loop.run())
+        while min(len(s.output_ids) for s in low) < 4:
+            await asyncio.sleep(0)
+        urgent = [_request(loop, tokenizer, p, URGENT) for p in prompts[2:]]
+        for s in urgent:
+            loop.submit(s)
+        for s in [*low, *urgent]:
+            while not s.finished:
+                await asyncio.sleep(0.001)
+        loop.stop()
+        await task
+        return [*low, *urgent], loop
+
+    seqs, loop = asyncio.run(asyncio.wait_for(run(), 120))
+    return model_dir, seqs, loop, worker
+
+
+@pytest.mark.parametrize("in_flight", [1, 2, 3])
+def test_the_scheduler_counts_the_swap_space_as_the_worker_fills_it(in_flight):
+    model_dir, seqs, loop, worker = _run(in_flight, swap_tokens=1000)
+    assert worker.most_swapped == 2, "both victims are swapped out at once"
+    assert max(worker.swapped_gauge) == 2 and worker.swapped_gauge[-1] == 0
+    mismatched = [(i, a) for i, a in enumerate(worker.accounts) if a[0] != a[1]]
+    assert not mismatched, f"(Step, (scheduler's bytes, worker's bytes)): {mismatched}"
+    assert worker.engine.swap.used_bytes == 0 and not loop.swapper.held
+    for s in seqs:
+        assert s.output_ids == _reference(model_dir, s.prompt_ids, len(s.output_ids))
+
+
+def test_a_swap_space_for_one_victim_takes_one_and_recomputes_the_other():
+    """Room for one victim's KV (15-24 tokens) and not for two: the scheduler swaps one
+    and recomputes the other (a worker asked to swap more than fits fails the Step)."""
+    model_dir, seqs, loop, worker = _run(1, swap_tokens=24)
+    assert worker.most_swapped == 1
+    assert loop.metrics.swapped_preemptions._value.get() == 1
+    assert loop.metrics.preemptions._value.get() == 2
+    assert all(a == b for a, b in worker.accounts)
+    for s in seqs:
+        assert s.output_ids == _reference(model_dir, s.prompt_ids, len(s.output_ids))
