@@ -67,6 +67,43 @@ def knee_table(cells: Sequence[dict]) -> str:
                      "knee vLLM req/s"], rows)
 
 
+AIM_FRACTION = 0.8  # issue 21: p99 TTFT and ITL at 80% of vLLM's knee
+
+
+def aim_point(cell: dict, fraction: float = AIM_FRACTION) -> dict | None:
+    """The Poisson point nearest `fraction` x vLLM's knee, among those at or below the
+    knee that both systems ran; None where vLLM's knee is unknown or no such point ran."""
+    knee_vllm = cell.get("knee", {}).get("vllm")
+    if not knee_vllm:
+        return None
+    ran = [p for p in cell["points"] if p.get("rate") and p["rate"] <= knee_vllm
+           and _tput(p.get("seqserve")) is not None and _tput(p.get("vllm")) is not None]
+    return min(ran, key=lambda p: abs(p["rate"] - fraction * knee_vllm), default=None)
+
+
+def aim_table(cells: Sequence[dict], fraction: float = AIM_FRACTION) -> str | None:
+    """Per model and trace: at the point nearest `fraction` of vLLM's knee, p99 TTFT and
+    p99 ITL of both systems, and whether seqserve's are no worse than vLLM's (None: no
+    model and trace has such a point)."""
+    rows = []
+    for c in cells:
+        p = aim_point(c, fraction)
+        if p is None:
+            continue
+        seq, vllm = p["seqserve"], p["vllm"]
+        worse = [m.upper() for m in ("ttft", "itl")
+                 if seq.get(m, {}).get("p99_ms", 0) > vllm.get(m, {}).get("p99_ms", 0)]
+        rows.append([c["model"], c["trace"], f"{c['knee']['vllm']:g}",
+                     f"{fraction * c['knee']['vllm']:.3g}", f"{p['rate']:g}",
+                     _pair(seq, vllm, "ttft", "p99_ms"), _pair(seq, vllm, "itl", "p99_ms"),
+                     "yes" if not worse else f"no ({', '.join(worse)})"])
+    if not rows:
+        return None
+    return md_table(["model", "trace", "knee vLLM req/s", f"{fraction:g} x knee",
+                     "nearest point run req/s", "TTFT p99 ms seqserve / vLLM",
+                     "ITL p99 ms seqserve / vLLM", "seqserve no worse"], rows)
+
+
 def rates_table(machine: dict) -> str:
     """GFLOP/s of every measured (K x N) at each M, and the memory bandwidth."""
     ms = sorted({m for pts in machine["gemm"].values() for m, _ in pts})
@@ -107,6 +144,10 @@ def matrix_markdown(result: dict) -> str:
              "(bench/floor.py); % of floor = floor time / measured time.",
              "Knees (highest offered rate at which the system kept up and p99 E2E stayed "
              "within 2x its lowest-rate value):", knee_table(cells)]
+    aims = aim_table(cells)
+    if aims:
+        parts += [f"Latency near {AIM_FRACTION:g} of vLLM's knee (the measured Poisson "
+                  "point nearest it, at or below the knee):", aims]
     if machine:
         parts += [f"Machine rates: memory bandwidth {machine['bandwidth'] / 1e9:.1f} GB/s "
                   f"(copy {machine['memory']['copy_bytes_per_s'] / 1e9:.1f}, read "

@@ -10,8 +10,8 @@ import pytest
 from bench.commands import matrix
 from bench.floor import (FloorRequest, MachineRates, ModelShape, fraction_of_floor,
                          ideal_cached_tokens, run_floor, simulate, step_floor)
-from bench.matrix_report import (floor_fraction, knee_table, matrix_markdown, median_markdown,
-                                 ratio_row)
+from bench.matrix_report import (aim_point, aim_table, floor_fraction, knee_table,
+                                 matrix_markdown, median_markdown, ratio_row)
 from bench.parser import build_parser
 
 # A Llama-style config with grouped heads and a head size that is not hidden / heads.
@@ -178,6 +178,26 @@ def test_knee_table_and_markdown_carry_commit_load_and_skips():
                  "hf-cb on mid / azure-conv: failed", "| qkv 64x256 | 2 | 16 |",
                  "20.0 GB/s"):
         assert text in md, text
+
+
+def test_the_latency_aim_is_read_at_the_point_nearest_80_percent_of_vllms_knee():
+    cell = _cell()
+    assert aim_point(cell) is None and aim_table([cell]) is None  # vLLM's knee unknown
+    cell["knee"]["vllm"] = 5.0
+    cell["points"] = [cell["points"][0]] + [
+        {"label": f"Poisson {r}/s", "rate": r, "seqserve": _summary(100.0, 1.0, ttft, 20),
+         "vllm": _summary(100.0, 1.0, 150, itl)}
+        for r, ttft, itl in ((2.5, 100, 5), (3.75, 200, 10), (4.5, 50, 10), (5.2, 1, 99))]
+    # 0.8 x 5 = 4: 3.75 is nearer than 4.5; 5.2 is past the knee; all at once has no rate.
+    assert aim_point(cell)["rate"] == 3.75
+    table = aim_table([cell])
+    assert "| mid | azure-conv | 5 | 4 | 3.75 | 400 / 300 | 60 / 30 | no (TTFT, ITL) |" in table
+    cell["points"][2]["seqserve"] = _summary(100.0, 1.0, 150, 10)  # level is no worse
+    assert "| 300 / 300 | 30 / 30 | yes |" in aim_table([cell])
+    assert aim_point(cell, fraction=0.5)["rate"] == 2.5
+    # A point past the knee is never read, however near: 5.2 is nearer 4 than 2.5 is.
+    del cell["points"][2:4]
+    assert aim_point(cell)["rate"] == 2.5
 
 
 def test_median_of_runs_lists_each_runs_ratio_and_takes_medians():
