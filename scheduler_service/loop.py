@@ -170,6 +170,7 @@ class IterationLoop:
                     self.to_release.append(s.seq_id)
             self._one_at_a_time = 0
             self.metrics.set_waiting(self.name, len(self.waiting))
+            self.publish_load()
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -323,9 +324,13 @@ class IterationLoop:
         # sent, and the one before it answered); what the worker did not spend is the RPC.
         waited = t2 - max(step.sent, self._last_answer)
         self._last_answer = t3
-        reserved = sum(s.reserved_tokens for s in self.running.values())
         self.metrics.observe_step(self.name, step.plan, answer, step.plan_seconds, waited, t3 - t2)
         self.pacer.observe(*step.size, answer.worker_seconds)
+        self.publish_load()
+
+    def publish_load(self) -> None:
+        """The running, reserved and swapped-out gauges, as of now."""
+        reserved = sum(s.reserved_tokens for s in self.running.values())
         self.metrics.set_load(self.name, len(self.running), reserved, self.kv_budget,
                               len(self.swapper.out))
 

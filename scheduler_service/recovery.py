@@ -45,6 +45,7 @@ async def recover(loop: IterationLoop, exc: StepFailed) -> None:
     loop.running.clear()
     loop.to_release.clear()
     loop.planner.forget()
+    loop.publish_load()  # the gauges too: no Step answers while the worker is down
     # A request that makes the worker's Step raise (e.g. a temperature that is 0 in
     # float32 gives NaN probabilities) fails its re-prefill too and would be re-admitted
     # forever, starving everyone else. So the re-admitted sequences are prefilled one

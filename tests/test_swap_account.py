@@ -19,7 +19,7 @@ from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.params import DecodingConfig
 from scheduler_service.policies.priority import PriorityAdmission
 from scheduler_service.sequence import Sequence
-from scheduler_service.worker_client import StepAnswer, WorkerInfo, encode_step
+from scheduler_service.worker_client import StepAnswer, StepFailed, WorkerInfo, encode_step
 from seqserve_common.decoding import DecodingStrategy
 from tests.conftest import tiny_model
 from tests.test_engine import _reference
@@ -27,7 +27,9 @@ from worker_service.engine import Engine
 from worker_service.kv_swap import SwapSpace
 from worker_service.metrics import WorkerMetrics
 from worker_service.model_runner import ModelRunner
+from worker_service.sequence import DecodingParams
 from worker_service.servicer import WorkerServicer
+from worker_service.step import PrefillSpec
 
 LOW, URGENT = 5, 0
 MAX_NEW = 24
@@ -88,7 +90,9 @@ class InProcessWorker:
 
 def _request(loop: IterationLoop, tokenizer, prompt: list[int], priority: int) -> Sequence:
     return Sequence(seq_id=loop.new_seq_id(), request_id=str(len(prompt)), prompt_ids=prompt,
-                    params=DecodingConfig(max_new_tokens=MAX_NEW,
+                    # ignore_eos: a sequence that ended early would leave the scenario
+                    # waiting for tokens that never come.
+                    params=DecodingConfig(max_new_tokens=MAX_NEW, ignore_eos=True,
                                           strategy=DecodingStrategy.GREEDY),
                     detokenizer=IncrementalDetokenizer(tokenizer, []), stops=StopMatcher(()),
                     priority=priority)
@@ -154,3 +158,64 @@ def test_a_swap_space_for_one_victim_takes_one_and_recomputes_the_other():
     assert all(a == b for a, b in worker.accounts)
     for s in seqs:
         assert s.output_ids == _reference(model_dir, s.prompt_ids, len(s.output_ids))
+
+
+def test_a_reset_zeroes_the_workers_swap_gauges():
+    """Every scheduler (re)connect sends Reset, which empties the swap space: an idle
+    worker must not go on exporting KV it no longer holds."""
+    worker = InProcessWorker(tiny_model("llama"), 1 << 30)
+    engine, metrics = worker.engine, worker.servicer.metrics
+    engine.step([], [PrefillSpec(1, [3, 4, 5, 6, 7], 0, DecodingParams())], [[1]])
+    metrics.observe_step(engine.step([], [], [], swap_out=[1]), 0)
+    assert metrics.swapped._value.get() == 1 and metrics.swap_bytes._value.get() > 0
+    worker.servicer.Reset(None, None)
+    assert (metrics.swapped._value.get(), metrics.swap_bytes._value.get()) == (0, 0)
+    assert len(engine.swap) == 0
+
+
+def test_a_failed_step_clears_the_schedulers_swapped_gauge_while_the_worker_is_down():
+    """Recovery forgets the swapped-out sequences (they are prefilled again); the gauges
+    say so at once, not at the next answer, which a worker that stays down never gives."""
+    model_dir = tiny_model("llama")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    worker = InProcessWorker(model_dir, 1 << 30)
+    failing = {"now": False}
+
+    class FailingSteps(InProcessSteps):
+        async def receive(self):
+            if failing["now"]:
+                raise StepFailed("UNAVAILABLE", "the worker died")
+            return await super().receive()
+
+    async def stays_down(timeout):
+        await asyncio.sleep(3600)
+
+    worker.open_steps = lambda: FailingSteps(worker)
+
+    async def run():
+        loop = IterationLoop(worker, max_rolling_batch_size=2, max_queue=16, max_sparsity=0.3,
+                             max_splits=2, worker_timeout=30, metrics=SchedulerMetrics(),
+                             max_num_batched_tokens=4096, steps_in_flight=1,
+                             policy=PriorityAdmission(aging_steps=1000), preemption_mode="swap")
+        worker.loop = loop
+        low = [_request(loop, tokenizer, [5 + i] * 12, LOW) for i in range(2)]
+        for s in low:
+            loop.submit(s)
+        task = asyncio.create_task(loop.run())
+        while min(len(s.output_ids) for s in low) < 4:
+            await asyncio.sleep(0)
+        for i in range(2):
+            loop.submit(_request(loop, tokenizer, [50 + i] * 5, URGENT))
+        while loop.metrics.swapped._value.get() < 2:
+            await asyncio.sleep(0)
+        worker.wait_ready = stays_down
+        failing["now"] = True
+        while loop.worker_up:
+            await asyncio.sleep(0.01)
+        gauges = (loop.metrics.swapped._value.get(), loop.metrics.running._value.get())
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return gauges, len(loop.swapper.out)
+
+    (swapped, running), out = asyncio.run(asyncio.wait_for(run(), 60))
+    assert out == 0 and (swapped, running) == (0, 0)

@@ -51,6 +51,11 @@ class WorkerMetrics:
         self.kv_allocated = Gauge("seqserve_worker_kv_allocated_bytes",
                                   "Bytes allocated for group KV buffers", registry=r)
 
+    def dropped_all(self) -> None:
+        """The engine dropped every sequence (a Reset, or the lease ran out)."""
+        for gauge in (self.sequences, self.kv_tokens, self.swapped, self.swap_bytes):
+            gauge.set(0)
+
     def observe_step(self, result, num_groups: int) -> None:
         """`result`: the engine's StepResult, which also carries its state after the step."""
         self.steps.inc()

@@ -116,10 +116,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             logger.warning("no word from the scheduler for %.0f s (option.worker_lease): "
                            "dropped its sequences", self.lease_seconds)
             if self.metrics is not None:
-                self.metrics.sequences.set(0)
-                self.metrics.kv_tokens.set(0)
-                self.metrics.swapped.set(0)
-                self.metrics.swap_bytes.set(0)
+                self.metrics.dropped_all()
 
     def attach(self, engine: Engine, swap_rates: SwapRates | None = None) -> None:
         self.kv_capacity_tokens = self.kv_cache_bytes // engine.runner.kv_shape.bytes_per_token
@@ -151,6 +148,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         with self._lock:
             self._generation += 1
             self._compute.submit(engine.reset).result()
+        if self.metrics is not None:
+            self.metrics.dropped_all()
         logger.info("reset: all sequences dropped")
         return worker_pb2.ResetResponse()
 
