@@ -23,6 +23,7 @@ from scheduler_service.worker_client import StepAnswer, StepFailed, WorkerInfo, 
 from seqserve_common.decoding import DecodingStrategy
 from tests.conftest import tiny_model
 from tests.test_engine import _reference
+from tests.test_kv_swap import DEVICES
 from worker_service.engine import Engine
 from worker_service.kv_swap import SwapSpace
 from worker_service.metrics import WorkerMetrics
@@ -71,8 +72,8 @@ class InProcessSteps:
 class InProcessWorker:
     address = "in-process"
 
-    def __init__(self, model_dir, swap_bytes: int):
-        self.engine = Engine(ModelRunner(str(model_dir)), swap=SwapSpace(swap_bytes))
+    def __init__(self, model_dir, swap_bytes: int, device: str = "cpu"):
+        self.engine = Engine(ModelRunner(str(model_dir), device=device), swap=SwapSpace(swap_bytes))
         self.servicer = WorkerServicer(kv_cache_bytes=64 << 20, metrics=WorkerMetrics())
         self.servicer.attach(self.engine)
         self.info = WorkerInfo.from_proto(self.servicer.Info(None, None))
@@ -98,13 +99,13 @@ def _request(loop: IterationLoop, tokenizer, prompt: list[int], priority: int) -
                     priority=priority)
 
 
-def _run(in_flight: int, swap_tokens: int):
+def _run(in_flight: int, swap_tokens: int, device: str = "cpu"):
     """Two low-priority requests of 12-token prompts fill both slots; after 4 or more
     tokens (both 15 KV tokens or more) two urgent ones arrive and preempt both. The swap
     space holds `swap_tokens` tokens."""
     model_dir = tiny_model("llama")
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    worker = InProcessWorker(model_dir, 0)
+    worker = InProcessWorker(model_dir, 0, device)
     worker.engine.swap.capacity_bytes = swap_tokens * worker.info.swap.kv_bytes_per_token
     worker.info = WorkerInfo.from_proto(worker.servicer.Info(None, None))
     rng = random.Random(3)
@@ -136,9 +137,10 @@ def _run(in_flight: int, swap_tokens: int):
     return model_dir, seqs, loop, worker
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("in_flight", [1, 2, 3])
-def test_the_scheduler_counts_the_swap_space_as_the_worker_fills_it(in_flight):
-    model_dir, seqs, loop, worker = _run(in_flight, swap_tokens=1000)
+def test_the_scheduler_counts_the_swap_space_as_the_worker_fills_it(in_flight, device):
+    model_dir, seqs, loop, worker = _run(in_flight, swap_tokens=1000, device=device)
     assert worker.most_swapped == 2, "both victims are swapped out at once"
     assert max(worker.swapped_gauge) == 2 and worker.swapped_gauge[-1] == 0
     mismatched = [(i, a) for i, a in enumerate(worker.accounts) if a[0] != a[1]]
