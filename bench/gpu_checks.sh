@@ -52,6 +52,11 @@ print(out)
 EOF
 }
 
+# A matrix model's directory (bench/matrix_models.py makes it where missing).
+resolved() {
+  python3 -c "from bench.matrix_models import resolve_model as r; print(r('$1'))" | tail -1
+}
+
 for step in $STEPS; do
   case $step in
   tests)
@@ -72,7 +77,7 @@ for step in $STEPS; do
     for run in $PEER_RUNS; do
       m=${run%%:*} w=${run#*:}
       if [ "$m" = smollm2-shape ]; then model=$(smollm2_shape)
-      else model=$(python3 -c "from bench.matrix_models import resolve_model as r; print(r('$m'))" | tail -1)
+      else model=$(resolved "$m")
       fi
       python3 -m bench peers --model "$model" --workload "$w" --peers "$PEERS" --device cuda \
         --no-ceiling --no-floor --plot-dir '' --out "$OUT/peers-$m-$w" \
@@ -86,8 +91,7 @@ for step in $STEPS; do
     ;;
   swap)
     python3 -m bench.swap_cost "$(smollm2_shape)" --lengths 128,512,2048,8192
-    python3 -m bench.swap_cost "$(python3 -c "from bench.matrix_models import resolve_model as r
-print(r('qwen2-gqa'))" | tail -1)" --lengths 128,512,2048,8192
+    python3 -m bench.swap_cost "$(resolved qwen2-gqa)" --lengths 128,512,2048,8192
     ;;
   esac
 done

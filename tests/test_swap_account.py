@@ -99,10 +99,35 @@ def _request(loop: IterationLoop, tokenizer, prompt: list[int], priority: int) -
                     priority=priority)
 
 
+def _loop(worker: InProcessWorker, in_flight: int) -> IterationLoop:
+    """Two slots, priorities, and victims swapped whenever the swap space has room."""
+    loop = IterationLoop(worker, max_rolling_batch_size=2, max_queue=16, max_sparsity=0.3,
+                         max_splits=2, worker_timeout=30, metrics=SchedulerMetrics(),
+                         max_num_batched_tokens=4096, steps_in_flight=in_flight,
+                         policy=PriorityAdmission(aging_steps=1000), preemption_mode="swap")
+    worker.loop = loop
+    return loop
+
+
+async def _preempt_both(loop: IterationLoop, tokenizer, prompts: list[list[int]]):
+    """Start the loop with two low-priority requests (both slots); once both have 4 or
+    more tokens, send two urgent ones, which preempt both. Returns (low, urgent, the
+    loop's task)."""
+    low = [_request(loop, tokenizer, p, LOW) for p in prompts[:2]]
+    for s in low:
+        loop.submit(s)
+    task = asyncio.create_task(loop.run())
+    while min(len(s.output_ids) for s in low) < 4:
+        await asyncio.sleep(0)
+    urgent = [_request(loop, tokenizer, p, URGENT) for p in prompts[2:]]
+    for s in urgent:
+        loop.submit(s)
+    return low, urgent, task
+
+
 def _run(in_flight: int, swap_tokens: int, device: str = "cpu"):
-    """Two low-priority requests of 12-token prompts fill both slots; after 4 or more
-    tokens (both 15 KV tokens or more) two urgent ones arrive and preempt both. The swap
-    space holds `swap_tokens` tokens."""
+    """_preempt_both with 12-token low prompts (15 KV tokens or more when preempted), to
+    the end; the swap space holds `swap_tokens` tokens."""
     model_dir = tiny_model("llama")
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     worker = InProcessWorker(model_dir, 0, device)
@@ -112,20 +137,8 @@ def _run(in_flight: int, swap_tokens: int, device: str = "cpu"):
     prompts = [[rng.randint(3, 200) for _ in range(n)] for n in (12, 12, 5, 6)]
 
     async def run():
-        loop = IterationLoop(worker, max_rolling_batch_size=2, max_queue=16, max_sparsity=0.3,
-                             max_splits=2, worker_timeout=30, metrics=SchedulerMetrics(),
-                             max_num_batched_tokens=4096, steps_in_flight=in_flight,
-                             policy=PriorityAdmission(aging_steps=1000), preemption_mode="swap")
-        worker.loop = loop
-        low = [_request(loop, tokenizer, p, LOW) for p in prompts[:2]]
-        for s in low:
-            loop.submit(s)
-        task = asyncio.create_task(loop.run())
-        while min(len(s.output_ids) for s in low) < 4:
-            await asyncio.sleep(0)
-        urgent = [_request(loop, tokenizer, p, URGENT) for p in prompts[2:]]
-        for s in urgent:
-            loop.submit(s)
+        loop = _loop(worker, in_flight)
+        low, urgent, task = await _preempt_both(loop, tokenizer, prompts)
         for s in [*low, *urgent]:
             while not s.finished:
                 await asyncio.sleep(0.001)
@@ -195,19 +208,9 @@ def test_a_failed_step_clears_the_schedulers_swapped_gauge_while_the_worker_is_d
     worker.open_steps = lambda: FailingSteps(worker)
 
     async def run():
-        loop = IterationLoop(worker, max_rolling_batch_size=2, max_queue=16, max_sparsity=0.3,
-                             max_splits=2, worker_timeout=30, metrics=SchedulerMetrics(),
-                             max_num_batched_tokens=4096, steps_in_flight=1,
-                             policy=PriorityAdmission(aging_steps=1000), preemption_mode="swap")
-        worker.loop = loop
-        low = [_request(loop, tokenizer, [5 + i] * 12, LOW) for i in range(2)]
-        for s in low:
-            loop.submit(s)
-        task = asyncio.create_task(loop.run())
-        while min(len(s.output_ids) for s in low) < 4:
-            await asyncio.sleep(0)
-        for i in range(2):
-            loop.submit(_request(loop, tokenizer, [50 + i] * 5, URGENT))
+        loop = _loop(worker, 1)
+        prompts = [[5] * 12, [6] * 12, [50] * 5, [51] * 5]
+        _, _, task = await _preempt_both(loop, tokenizer, prompts)
         while loop.metrics.swapped._value.get() < 2:
             await asyncio.sleep(0)
         worker.wait_ready = stays_down
