@@ -14,10 +14,10 @@ from tests.conftest import tiny_model
 from tests.test_engine import _reference
 from tests.test_kv_groups import MIXED, UNIFORM, _group, _holds
 from worker_service.engine import Engine, StepError
-from worker_service.kv_swap import SwapSpace, measure_copy_rate, swap_capacity
+from worker_service.kv_swap import SwapSpace, measure_copy_rate, swap_capacity, swap_space
 from worker_service.model_runner import ModelRunner
 from worker_service.prefix_cache import PrefixCache
-from worker_service.sequence import DecodingParams
+from worker_service.sequence import DecodingParams, SequenceState
 from worker_service.step import PrefillSpec
 
 CPU = torch.device("cpu")
@@ -43,7 +43,44 @@ def test_swap_space_keeps_account():
     assert space.fits(100) and not space.fits(101)
     assert swap_capacity(-1, CPU) == 0 and swap_capacity(-1, torch.device("cuda")) == 4 << 30
     assert swap_capacity(123, torch.device("cuda")) == 123
-    assert measure_copy_rate(CPU, nbytes=1 << 20, repeats=1) > 0
+    assert swap_space(0, CPU) is None and swap_space(-1, CPU) is None
+    assert swap_space(64, CPU).capacity_bytes == 64 and not swap_space(64, CPU).pinned
+    assert measure_copy_rate(CPU, torch.empty(1 << 20, dtype=torch.uint8), repeats=1) > 0
+
+
+def _state(seq_id: int) -> SequenceState:
+    return SequenceState(seq_id=seq_id, token_ids=[1], num_generated=0,
+                         params=DecodingParams())
+
+
+@pytest.mark.parametrize("dims", [UNIFORM, MIXED])
+def test_the_swap_space_fills_holes_first_then_closes_them(dims):
+    """Rows of 10 and 20 slots in a space of 40 slots' bytes: a row goes into the first
+    hole long enough; where the free bytes suffice but no hole does, the rows held are
+    moved down and every one still comes back exact."""
+    short, short_truth = _group(dims, rows=4, length=10)
+    long, long_truth = _group(dims, rows=1, length=20)
+    per_token = short.shape.bytes_per_token
+    space = SwapSpace(40 * per_token)
+    for row in range(4):
+        space.store(_state(row), short, row)
+    assert space.used_bytes == 40 * per_token and not space.fits(1)
+    space.take(1)
+    space.take(2)  # one hole of 20 slots between rows 0 and 3
+    space.store(_state(7), long, 0)
+    assert space.compactions == 0 and space._held[7].offset == 10 * per_token
+    space.take(0)
+    space.take(3)  # 20 slots free: 0-9 and 30-39
+    with pytest.raises(ValueError, match="do not fit"):
+        space.store(_state(8), _group(dims, rows=1, length=21)[0], 0)
+    space.store(_state(9), long, 0)  # row 7 moves down by 10 slots over itself
+    assert space.compactions == 1 and space.used_bytes == 40 * per_token
+    back, _ = _group(dims, rows=0, length=1)
+    for seq_id in (7, 9):
+        entry = space.take(seq_id)
+        row = back.add_row_with(seq_id, entry.kv, reserve_length=entry.kv.slots + 1)
+        assert _holds(back, row, long_truth[0], 20), seq_id
+    assert space.used_bytes == 0 and len(space) == 0
 
 
 def _engines(model_dir, device: str = "cpu"):

@@ -238,7 +238,8 @@ class Engine:
                                       max(self._reserve_length(sid) for sid in fresh))
             for sid in fresh:
                 if sid in restored:
-                    group.add_row_with(sid, restored[sid], self._reserve_length(sid))
+                    group.add_row_with(sid, restored[sid], self._reserve_length(sid),
+                                       non_blocking=self.swap.pinned)
                 else:
                     group.add_empty_row(sid, self._reserve_length(sid))
                 self.group_of[sid] = group

@@ -225,22 +225,38 @@ class KVGroup:
         return DetachedKV(end - start, None, [(copy(k[row, :, start:end]), copy(v[row, :, start:end]))
                                               for k, v in zip(self.keys, self.values)])
 
-    def copy_in(self, row: int, start: int, kv: DetachedKV, n: int) -> None:
-        """Write the first `n` slots of `kv` into slots [start, start + n) of a row (its
-        length is the caller's to set)."""
+    def copy_out_into(self, row: int, kv: DetachedKV, non_blocking: bool = False) -> None:
+        """Copy slots [0, kv.slots) of a row into `kv`'s tensors (the swap space's buffer).
+        `non_blocking`: queue a copy to pinned host memory without waiting for it."""
+        n = kv.slots
         if self.kv is not None and kv.kv is not None:
-            self.kv[:, :, row, :, start:start + n].copy_(kv.kv[:, :, :, :n])
+            kv.kv.copy_(self.kv[:, :, row, :, :n], non_blocking=non_blocking)
             return
         for layer in range(self.shape.num_layers):
             k, v = kv.layer(layer)
-            self.keys[layer][row, :, start:start + n].copy_(k[:, :n])
-            self.values[layer][row, :, start:start + n].copy_(v[:, :n])
+            k.copy_(self.keys[layer][row, :, :n], non_blocking=non_blocking)
+            v.copy_(self.values[layer][row, :, :n], non_blocking=non_blocking)
 
-    def add_row_with(self, seq_id: int, kv: DetachedKV, reserve_length: int) -> int:
+    def copy_in(self, row: int, start: int, kv: DetachedKV, n: int,
+                non_blocking: bool = False) -> None:
+        """Write the first `n` slots of `kv` into slots [start, start + n) of a row (its
+        length is the caller's to set). `non_blocking`: as in copy_out_into."""
+        if self.kv is not None and kv.kv is not None:
+            self.kv[:, :, row, :, start:start + n].copy_(kv.kv[:, :, :, :n],
+                                                         non_blocking=non_blocking)
+            return
+        for layer in range(self.shape.num_layers):
+            k, v = kv.layer(layer)
+            self.keys[layer][row, :, start:start + n].copy_(k[:, :n], non_blocking=non_blocking)
+            self.values[layer][row, :, start:start + n].copy_(v[:, :n],
+                                                              non_blocking=non_blocking)
+
+    def add_row_with(self, seq_id: int, kv: DetachedKV, reserve_length: int,
+                     non_blocking: bool = False) -> int:
         """Append a row for `seq_id` holding the KV of `kv` (a swapped-out sequence coming
         back); returns the row."""
         row = self.add_empty_row(seq_id, max(reserve_length, kv.slots + 1))
-        self.copy_in(row, 0, kv, kv.slots)
+        self.copy_in(row, 0, kv, kv.slots, non_blocking)
         self._lengths[row] = kv.slots
         self.copied_bytes += kv.slots * self.shape.bytes_per_token
         return row

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from worker_service.kv_groups import DetachedKV
+from worker_service.kv_groups import DetachedKV, KVGroup, KVShape
 from worker_service.sequence import SequenceState
 from worker_service.step import StepError
 
@@ -36,6 +36,13 @@ def swap_capacity(option_bytes: int, device: torch.device) -> int:
     return 0 if device.type == "cpu" else AUTO_SWAP_BYTES
 
 
+def swap_space(option_bytes: int, device: torch.device) -> SwapSpace | None:
+    """The worker's swap space for option.swap_space_bytes (None where it is 0): pinned
+    host memory where the device is a GPU."""
+    capacity = swap_capacity(option_bytes, device)
+    return SwapSpace(capacity, pinned=device.type == "cuda") if capacity else None
+
+
 @dataclass(frozen=True)
 class SwapRates:
     """What the worker measured at start for the scheduler's choice (0: not measured)."""
@@ -46,24 +53,59 @@ class SwapRates:
 
 @dataclass
 class Swapped:
-    """A swapped-out sequence: its worker state and its KV in host memory."""
+    """A swapped-out sequence: its worker state, and its KV in the swap space's buffer at
+    bytes [offset, offset + nbytes)."""
 
     seq: SequenceState
     kv: DetachedKV
+    offset: int
+    nbytes: int
+    shape: KVShape
+
+
+def carve(buffer: torch.Tensor, shape: KVShape, slots: int) -> DetachedKV:
+    """`slots` tokens of KV in the layout `KVGroup.copy_out` gives, as views of `buffer`
+    (uint8, exactly slots x shape.bytes_per_token long)."""
+    if shape.uniform:
+        heads, dim = shape.key_heads[0], shape.key_dims[0]
+        kv = buffer.view(shape.dtype).view(2, shape.num_layers, heads, slots, dim)
+        return DetachedKV(slots, kv, None)
+    data = buffer.view(shape.dtype)
+    at, layers = 0, []
+    for kh, kd, vh, vd in zip(shape.key_heads, shape.key_dims, shape.value_heads,
+                              shape.value_dims):
+        k = data[at:at + kh * slots * kd].view(kh, slots, kd)
+        at += kh * slots * kd
+        v = data[at:at + vh * slots * vd].view(vh, slots, vd)
+        at += vh * slots * vd
+        layers.append((k, v))
+    return DetachedKV(slots, None, layers)
 
 
 class SwapSpace:
-    """The swapped-out sequences, within `capacity_bytes` of host memory.
+    """The swapped-out sequences, their KV in one host buffer of `capacity_bytes`.
 
-    The copies live in pageable memory, not pinned: torch's pinned-memory cache rounds each
-    block up to a power of two and keeps freed blocks, so swaps of ever new lengths could
-    hold up to twice the swap space pinned. A pinned pool of capacity_bytes carved into
-    token blocks (vLLM's way) would copy faster; it is not built."""
+    The buffer is allocated once, pinned where the device is a GPU (copies then run as
+    DMA, without holding the host: vLLM's swap space is pinned too). torch's pinned-memory
+    cache rounds each allocation up to a power of two and keeps what is freed, so pinning
+    every swap on its own could hold up to twice the space; one buffer is rounded once.
+    Each swapped row takes one extent of it, first fit; where no hole is long enough but
+    the free bytes are, the extents are moved down to close the holes. So the byte account
+    the scheduler keeps (slots x bytes per token, no padding) is the only limit.
 
-    def __init__(self, capacity_bytes: int):
+    Copies into and out of the buffer are queued on the device's stream without waiting
+    (non_blocking). That is safe because the host never touches the buffer's bytes except
+    when closing holes, which waits for the device first, and a freed extent is written
+    again only by a later copy on the same stream."""
+
+    def __init__(self, capacity_bytes: int, pinned: bool = False):
         self.capacity_bytes = capacity_bytes
+        self.pinned = pinned
+        # Pages are mapped when first written (pinned ones at once, as the driver does).
+        self.buffer = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pinned)
         self._held: dict[int, Swapped] = {}
         self.used_bytes = 0
+        self.compactions = 0  # times holes were closed (tests read it)
 
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._held
@@ -74,13 +116,24 @@ class SwapSpace:
     def fits(self, nbytes: int) -> bool:
         return self.used_bytes + nbytes <= self.capacity_bytes
 
-    def put(self, seq: SequenceState, kv: DetachedKV) -> None:
-        self._held[seq.seq_id] = Swapped(seq, kv)
-        self.used_bytes += kv.nbytes
+    def store(self, seq: SequenceState, group: KVGroup, row: int) -> None:
+        """Copy a row's KV into the buffer; the sequence's state waits with it."""
+        slots = group.length(row)
+        nbytes = slots * group.shape.bytes_per_token
+        if not self.fits(nbytes):
+            raise ValueError(f"{nbytes} bytes do not fit the swap space's "
+                             f"{self.capacity_bytes - self.used_bytes} free")
+        offset = self._place(nbytes)
+        kv = carve(self.buffer[offset:offset + nbytes], group.shape, slots)
+        group.copy_out_into(row, kv, non_blocking=self.pinned)
+        self._held[seq.seq_id] = Swapped(seq, kv, offset, nbytes, group.shape)
+        self.used_bytes += nbytes
 
     def take(self, seq_id: int) -> Swapped:
+        """Hand back a sequence; its KV stays readable until the next `store` (which
+        queues behind the copy that reads it)."""
         entry = self._held.pop(seq_id)
-        self.used_bytes -= entry.kv.nbytes
+        self.used_bytes -= entry.nbytes
         return entry
 
     def drop(self, seq_id: int) -> bool:
@@ -93,6 +146,35 @@ class SwapSpace:
     def clear(self) -> None:
         self._held.clear()
         self.used_bytes = 0
+
+    def _place(self, nbytes: int) -> int:
+        """The offset of the first hole of `nbytes`, closing the holes if none is."""
+        at = 0
+        for entry in sorted(self._held.values(), key=lambda e: e.offset):
+            if entry.offset - at >= nbytes:
+                return at
+            at = entry.offset + entry.nbytes
+        if self.capacity_bytes - at >= nbytes:
+            return at
+        return self._compact()
+
+    def _compact(self) -> int:
+        """Move every extent down against the one before it; returns where the free
+        bytes now start."""
+        if self.pinned:
+            torch.cuda.synchronize()  # queued copies may still read or write the buffer
+        self.compactions += 1
+        at = 0
+        for entry in sorted(self._held.values(), key=lambda e: e.offset):
+            if entry.offset != at:
+                src = self.buffer[entry.offset:entry.offset + entry.nbytes]
+                if entry.offset - at < entry.nbytes:
+                    src = src.clone()  # overlapping ranges: copy_ refuses them
+                self.buffer[at:at + entry.nbytes].copy_(src)
+                entry.offset = at
+                entry.kv = carve(self.buffer[at:at + entry.nbytes], entry.shape, entry.kv.slots)
+            at += entry.nbytes
+        return at
 
 
 def swap_out(engine: Engine, seq_id: int) -> None:
@@ -114,7 +196,7 @@ def swap_out(engine: Engine, seq_id: int) -> None:
         raise StepError(f"swap_out of sequence {seq_id} needs {nbytes} bytes; the swap "
                         f"space has {engine.swap.capacity_bytes - engine.swap.used_bytes} of "
                         f"{engine.swap.capacity_bytes} left")
-    engine.swap.put(seq, group.copy_out(row, 0, group.length(row), torch.device("cpu")))
+    engine.swap.store(seq, group, row)
     del engine.sequences[seq_id]
     del engine.group_of[seq_id]
     group.remove_row(row)
@@ -137,21 +219,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_copy_rate(device: torch.device, nbytes: int = 32 << 20, repeats: int = 3) -> float:
-    """Bytes per second of a copy from `device` to host memory (pageable, as SwapSpace
-    keeps it) and back, each direction counted once: the median of `repeats` round trips
-    after one unmeasured."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
-    host = torch.empty(nbytes, dtype=torch.uint8)
+def measure_copy_rate(device: torch.device, host: torch.Tensor, repeats: int = 3) -> float:
+    """Bytes per second of a copy from `device` to `host` (uint8: the swap space's buffer,
+    pinned or not as it is kept) and back, each direction counted once: the median of
+    `repeats` round trips after one unmeasured."""
+    src = torch.empty(host.numel(), dtype=torch.uint8, device=device).random_(0, 255)
     times = []
     for _ in range(repeats + 1):
         _sync(device)
         t0 = time.perf_counter()
-        host.copy_(src)
-        src.copy_(host)
+        host.copy_(src, non_blocking=True)
+        src.copy_(host, non_blocking=True)
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return 2 * nbytes / statistics.median(times[1:])
+    return 2 * host.numel() / statistics.median(times[1:])
 
 
 def measure_prefill_rate(engine, tokens: int) -> float:
@@ -166,7 +247,9 @@ def measure_prefill_rate(engine, tokens: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
-def measure_rates(engine, prefill_tokens: int) -> SwapRates:
-    """Both rates of a worker whose engine has warmed up (Info reports them)."""
-    return SwapRates(measure_copy_rate(engine.device),
+def measure_rates(engine, prefill_tokens: int, copy_bytes: int = 32 << 20) -> SwapRates:
+    """Both rates of a worker whose engine has warmed up and has swap space (Info reports
+    them); the copies go through the swap space's own buffer."""
+    host = engine.swap.buffer[:min(copy_bytes, engine.swap.capacity_bytes)]
+    return SwapRates(measure_copy_rate(engine.device, host),
                      measure_prefill_rate(engine, prefill_tokens))

@@ -72,12 +72,11 @@ def follower_main(cfg, me: tp.Rank, device: str) -> int:
     except Exception:
         logger.exception("rank %d could not load model %s", me.rank, cfg.model_id)
         return 1
-    from worker_service.kv_swap import SwapSpace, swap_capacity
+    from worker_service.kv_swap import swap_space
 
-    swap_bytes = swap_capacity(cfg.swap_space_bytes, runner.device)
     engine = Engine(runner, PrefixCache(runner.kv_shape, cfg.prompt_cache_bytes,
                                         cfg.prompt_cache_block_tokens),
-                    swap=SwapSpace(swap_bytes) if swap_bytes else None)
+                    swap=swap_space(cfg.swap_space_bytes, runner.device))
     code = follow(engine)
     logger.info("rank %d exits (%d)", me.rank, code)
     return code
@@ -113,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker_service.compute import MainThreadExecutor
     from worker_service.engine import Engine
     from worker_service.host_memory import keep_freed_memory
-    from worker_service.kv_swap import SwapSpace, measure_rates, swap_capacity
+    from worker_service.kv_swap import measure_rates, swap_space
     from worker_service.length_probe import LengthProbe, ProbeConfig
     from worker_service.metrics import WorkerMetrics
     from worker_service.model_runner import ModelRunner
@@ -211,9 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     if probe is not None:
         logger.info("length probe on (scheduling_policy length-aware, length_predictor %s)",
                     cfg.length_predictor)
-    swap_bytes = swap_capacity(cfg.swap_space_bytes, runner.device)
-    engine = Engine(runner, prefix_cache, probe,
-                    SwapSpace(swap_bytes) if swap_bytes else None)
+    swap = swap_space(cfg.swap_space_bytes, runner.device)
+    engine = Engine(runner, prefix_cache, probe, swap)
     if degree > 1:
         # Every call that changes the engine or runs the model reaches every rank.
         engine = LeaderEngine(engine)
@@ -227,11 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     logger.info("warm-up: a %d-token prefill step took %.2f s", cfg.max_num_batched_tokens, seconds)
     rates = None
-    if swap_bytes:
+    if swap is not None:
         # What the scheduler weighs a swap against a recompute by (option.preemption_mode).
         rates = measure_rates(engine, min(cfg.max_num_batched_tokens, SWAP_PROBE_TOKENS))
         logger.info("swap space %d MiB: KV copies at %.1f GB/s to host and back, prefill at "
-                    "%.0f tokens/s", swap_bytes >> 20, rates.copy_bytes_per_second / 1e9,
+                    "%.0f tokens/s", swap.capacity_bytes >> 20, rates.copy_bytes_per_second / 1e9,
                     rates.prefill_tokens_per_second)
     servicer.attach(engine, rates)
     threading.Thread(target=servicer.watch_lease, args=(stop_lease,), name="lease",
