@@ -88,7 +88,8 @@ def _engines(model_dir, device: str = "cpu"):
     swapped-in sequence's prompt must not be copied over the KV it brings back)."""
     runner = ModelRunner(str(model_dir), device=device)
     cache = PrefixCache(runner.kv_shape, 64 << 20, 16)
-    return Engine(runner), Engine(runner, cache, swap=SwapSpace(1 << 30))
+    # Pinned on a GPU, as the worker keeps it: its copies are then non-blocking.
+    return Engine(runner), Engine(runner, cache, swap=swap_space(1 << 30, runner.device))
 
 
 def _prompts() -> list[list[int]]:

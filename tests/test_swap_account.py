@@ -25,7 +25,7 @@ from tests.conftest import tiny_model
 from tests.test_engine import _reference
 from tests.test_kv_swap import DEVICES
 from worker_service.engine import Engine
-from worker_service.kv_swap import SwapSpace
+from worker_service.kv_swap import swap_space
 from worker_service.metrics import WorkerMetrics
 from worker_service.model_runner import ModelRunner
 from worker_service.sequence import DecodingParams
@@ -73,7 +73,8 @@ class InProcessWorker:
     address = "in-process"
 
     def __init__(self, model_dir, swap_bytes: int, device: str = "cpu"):
-        self.engine = Engine(ModelRunner(str(model_dir), device=device), swap=SwapSpace(swap_bytes))
+        runner = ModelRunner(str(model_dir), device=device)
+        self.engine = Engine(runner, swap=swap_space(swap_bytes, runner.device))
         self.servicer = WorkerServicer(kv_cache_bytes=64 << 20, metrics=WorkerMetrics())
         self.servicer.attach(self.engine)
         self.info = WorkerInfo.from_proto(self.servicer.Info(None, None))
@@ -131,7 +132,8 @@ def _run(in_flight: int, swap_tokens: int, device: str = "cpu"):
     model_dir = tiny_model("llama")
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     worker = InProcessWorker(model_dir, 0, device)
-    worker.engine.swap = SwapSpace(swap_tokens * worker.info.swap.kv_bytes_per_token)
+    worker.engine.swap = swap_space(swap_tokens * worker.info.swap.kv_bytes_per_token,
+                                    worker.engine.device)
     worker.info = WorkerInfo.from_proto(worker.servicer.Info(None, None))
     rng = random.Random(3)
     prompts = [[rng.randint(3, 200) for _ in range(n)] for n in (12, 12, 5, 6)]
