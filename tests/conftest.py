@@ -14,6 +14,10 @@ from bench.deployment import Deployment
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = Path(os.environ.get("SEQSERVE_TEST_MODELS", REPO / "models" / "test"))
+# A CPU worker maps its whole KV budget at start (4 GiB by default, seconds of page
+# faults); the tests' models are small, so the workers they start get a smaller budget
+# unless a test sets one (OPTION_* variables are read by every process; flags win).
+os.environ.setdefault("OPTION_KV_CACHE_BYTES", str(512 << 20))
 ARCHITECTURES = ("llama", "gpt2", "qwen2", "mistral", "gpt_neox", "opt")
 
 

@@ -6,6 +6,8 @@ rules fail with a clear StepError."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -81,6 +83,36 @@ def test_the_swap_space_fills_holes_first_then_closes_them(dims):
         row = back.add_row_with(seq_id, entry.kv, reserve_length=entry.kv.slots + 1)
         assert _holds(back, row, long_truth[0], 20), seq_id
     assert space.used_bytes == 0 and len(space) == 0
+
+
+def test_the_swap_space_stays_exact_under_random_swaps():
+    """Random stores and takes of rows of 1-12 slots in a space of 30: the extents never
+    overlap or pass the end, a row that fits by the byte count is always stored, and
+    every row taken back holds what it was stored with."""
+    rng = random.Random(11)
+    groups = {n: _group(UNIFORM, rows=2, length=n) for n in range(1, 13)}
+    per_token = groups[1][0].shape.bytes_per_token
+    space = SwapSpace(30 * per_token)
+    held: dict[int, tuple[int, int]] = {}  # seq id -> (length, row)
+    for seq_id in range(400):
+        if held and (rng.random() < 0.45 or not space.fits(per_token)):
+            sid = rng.choice(sorted(held))
+            n, row = held.pop(sid)
+            entry = space.take(sid)
+            back, _ = _group(UNIFORM, rows=0, length=1)
+            r = back.add_row_with(sid, entry.kv, reserve_length=n + 1)
+            assert _holds(back, r, groups[n][1][row], n), sid
+            continue
+        n, row = rng.randint(1, 12), rng.randint(0, 1)
+        if not space.fits(n * per_token):
+            continue
+        space.store(_state(seq_id), groups[n][0], row)
+        held[seq_id] = (n, row)
+        spans = sorted((e.offset, e.offset + e.nbytes) for e in space._held.values())
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+        assert spans[-1][1] <= space.capacity_bytes
+        assert space.used_bytes == sum(n for n, _ in held.values()) * per_token
+    assert space.compactions > 0
 
 
 def _engines(model_dir, device: str = "cpu"):

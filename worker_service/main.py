@@ -25,12 +25,6 @@ from worker_service import tensor_parallel as tp
 
 logger = logging.getLogger("seqserve.worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-# Host memory mapped at start for KV buffers (at most option.kv_cache_bytes): the first
-# burst's groups then reuse mapped pages. 2 GiB because the 64-request benchmark burst
-# (docs/benchmarks.md) on the mid model with float32 KV (the CPU fallback without the
-# native decoding loop) peaks near 2.5 GiB resident: 1 GiB premapped left its first run
-# with 190 thousand page faults, 2 GiB with 1.3 thousand.
-PREMAP_BYTES = 2 << 30
 # Prompt tokens of the prefill timed at start for the swap-or-recompute choice: about a
 # preempted sequence's length under the benchmark traces.
 SWAP_PROBE_TOKENS = 512
@@ -216,8 +210,12 @@ def main(argv: list[str] | None = None) -> int:
         # Every call that changes the engine or runs the model reaches every rank.
         engine = LeaderEngine(engine)
     try:
+        # On CPU the KV budget's memory is mapped now, as vLLM allocates its KV cache at
+        # start: a page fault on fresh memory costs some 5 us on this project's machines,
+        # and a run that grows its groups past memory mapped before pays it per 4 KiB
+        # (docs/benchmarks.md, session 23: 1.2 GB faulted in a 22 s run).
         seconds = engine.warm_up(cfg.max_num_batched_tokens,
-                                 premap_bytes=min(cfg.kv_cache_bytes, PREMAP_BYTES))
+                                 premap_bytes=cfg.kv_cache_bytes)
     except Exception:
         logger.exception("warm-up: a %d-token prefill step failed on this device; lower "
                          "option.max_num_batched_tokens", cfg.max_num_batched_tokens)
