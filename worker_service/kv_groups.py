@@ -80,6 +80,24 @@ class DetachedKV:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    @classmethod
+    def carve(cls, buffer: torch.Tensor, shape: KVShape, slots: int) -> DetachedKV:
+        """`slots` tokens of KV in the layout `KVGroup.copy_out` gives, as views of
+        `buffer` (uint8, exactly slots x shape.bytes_per_token long)."""
+        data = buffer.view(shape.dtype)
+        if shape.uniform:
+            heads, dim = shape.key_heads[0], shape.key_dims[0]
+            return cls(slots, data.view(2, shape.num_layers, heads, slots, dim), None)
+        at, layers = 0, []
+        for kh, kd, vh, vd in zip(shape.key_heads, shape.key_dims, shape.value_heads,
+                                  shape.value_dims):
+            k = data[at:at + kh * slots * kd].view(kh, slots, kd)
+            at += kh * slots * kd
+            v = data[at:at + vh * slots * vd].view(vh, slots, vd)
+            at += vh * slots * vd
+            layers.append((k, v))
+        return cls(slots, None, layers)
+
 
 def _round_up(n: int, align: int) -> int:
     return max(align, -(-n // align) * align)

@@ -63,25 +63,6 @@ class Swapped:
     shape: KVShape
 
 
-def carve(buffer: torch.Tensor, shape: KVShape, slots: int) -> DetachedKV:
-    """`slots` tokens of KV in the layout `KVGroup.copy_out` gives, as views of `buffer`
-    (uint8, exactly slots x shape.bytes_per_token long)."""
-    if shape.uniform:
-        heads, dim = shape.key_heads[0], shape.key_dims[0]
-        kv = buffer.view(shape.dtype).view(2, shape.num_layers, heads, slots, dim)
-        return DetachedKV(slots, kv, None)
-    data = buffer.view(shape.dtype)
-    at, layers = 0, []
-    for kh, kd, vh, vd in zip(shape.key_heads, shape.key_dims, shape.value_heads,
-                              shape.value_dims):
-        k = data[at:at + kh * slots * kd].view(kh, slots, kd)
-        at += kh * slots * kd
-        v = data[at:at + vh * slots * vd].view(vh, slots, vd)
-        at += vh * slots * vd
-        layers.append((k, v))
-    return DetachedKV(slots, None, layers)
-
-
 class SwapSpace:
     """The swapped-out sequences, their KV in one host buffer of `capacity_bytes`.
 
@@ -121,10 +102,11 @@ class SwapSpace:
         slots = group.length(row)
         nbytes = slots * group.shape.bytes_per_token
         if not self.fits(nbytes):
-            raise ValueError(f"{nbytes} bytes do not fit the swap space's "
-                             f"{self.capacity_bytes - self.used_bytes} free")
+            raise ValueError(f"{nbytes} bytes do not fit the swap space "
+                             f"({self.capacity_bytes - self.used_bytes} of "
+                             f"{self.capacity_bytes} left)")
         offset = self._place(nbytes)
-        kv = carve(self.buffer[offset:offset + nbytes], group.shape, slots)
+        kv = DetachedKV.carve(self.buffer[offset:offset + nbytes], group.shape, slots)
         group.copy_out_into(row, kv, non_blocking=self.pinned)
         self._held[seq.seq_id] = Swapped(seq, kv, offset, nbytes, group.shape)
         self.used_bytes += nbytes
@@ -172,7 +154,8 @@ class SwapSpace:
                     src = src.clone()  # overlapping ranges: copy_ refuses them
                 self.buffer[at:at + entry.nbytes].copy_(src)
                 entry.offset = at
-                entry.kv = carve(self.buffer[at:at + entry.nbytes], entry.shape, entry.kv.slots)
+                entry.kv = DetachedKV.carve(self.buffer[at:at + entry.nbytes], entry.shape,
+                                            entry.kv.slots)
             at += entry.nbytes
         return at
 
@@ -191,12 +174,11 @@ def swap_out(engine: Engine, seq_id: int) -> None:
             group.length(row) < seq.prompt_len:
         raise StepError(f"sequence {seq_id} cannot be swapped out: only greedy or sampled "
                         "sequences past their prompt can; preempt it by recompute")
-    nbytes = group.length(row) * group.shape.bytes_per_token
-    if not engine.swap.fits(nbytes):
-        raise StepError(f"swap_out of sequence {seq_id} needs {nbytes} bytes; the swap "
-                        f"space has {engine.swap.capacity_bytes - engine.swap.used_bytes} of "
-                        f"{engine.swap.capacity_bytes} left")
-    engine.swap.store(seq, group, row)
+    try:
+        engine.swap.store(seq, group, row)
+    except ValueError as e:
+        raise StepError(f"swap_out of sequence {seq_id} needs more room: {e}; preempt it "
+                        "by recompute") from None
     del engine.sequences[seq_id]
     del engine.group_of[seq_id]
     group.remove_row(row)
