@@ -3,6 +3,11 @@
 # docs/benchmarks.md, "On a GPU"):
 #   tests: the test suite (or $TESTS) with every worker on cuda (option.device=auto);
 #   swap:  what a preempted sequence costs to bring back, recompute against KV swap;
+#   preempt: the real processes on cuda preempting by recompute and by swap into the
+#          pinned swap buffer (`bench.preemption_ab`), greedy outputs compared;
+#   step:  the worker's packed step in process on cuda, with and without cuDNN's SDPA
+#          (`bench.worker_step --device cuda --grow`; STEP_PROFILE=N adds torch.profiler's
+#          top N operators and host time against kernel time);
 #   peers: seqserve against the HF baselines on cuda, all at once (`bench peers`).
 # Such a machine has torch but no package index. Before the call, here:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -13,11 +18,11 @@
 #   mkdir -p .gpu/smollm2 && cp models/smollm2-135m-instruct-bf16/{config.json,\
 #     generation_config.json,tokenizer.json,tokenizer_config.json} .gpu/smollm2/
 # (both folders in .git/info/exclude), then carry .whl and .gpu. Logs go to $OUT.
-# Usage: bash bench/gpu_checks.sh [peers|swap|tests ...]   (default: all three)
+# Usage: bash bench/gpu_checks.sh [peers|step|swap|preempt|tests ...]   (default: all)
 set -u
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
-STEPS=${*:-peers swap tests}  # the timed runs first, on a quiet machine
+STEPS=${*:-peers step swap preempt tests}  # the timed runs first, on a quiet machine
 TEST_SECONDS=${TEST_SECONDS:-180}
 TESTS=${TESTS:-tests/}
 PEERS=${PEERS:-hf,hf-cb}
@@ -88,6 +93,22 @@ for step in $STEPS; do
       grep -h "^Where seqserve" "$OUT/peers-$m-$w/peers.md"
       grep -h "swap space\|warm-up" "$OUT/peers-$m-$w"/logs/*/*.log | cut -c1-200
     done
+    ;;
+  step)
+    # Each step one token longer than the last, as in serving: with cuDNN's SDPA (which
+    # the runner turns off on a GPU) and without.
+    for sdpa in --cudnn-sdpa ""; do
+      python3 -m bench.worker_step "$(smollm2_shape)" --device cuda --rows 1,32,64 \
+        --prefill 512 --grow $sdpa --profile "${STEP_PROFILE:-0}" >"$OUT/step$sdpa.log" 2>&1 \
+        || tail -5 "$OUT/step$sdpa.log"
+      echo "worker_step --grow ${sdpa:-(no cuDNN SDPA)}"
+      grep -E "^(decode|prefill) |^host " "$OUT/step$sdpa.log"
+    done
+    ;;
+  preempt)
+    python3 -m bench.preemption_ab "$(smollm2_shape)" >"$OUT/preempt.log" 2>&1
+    echo "preemption_ab exit $?"
+    grep -E "^\||identical|KV copies" "$OUT/preempt.log" | cut -c1-200
     ;;
   swap)
     python3 -m bench.swap_cost "$(smollm2_shape)" --lengths 128,512,2048,8192

@@ -391,3 +391,12 @@ def test_float32_kv_of_a_bfloat16_model_gives_its_tokens(monkeypatch):
         for a, b in zip(outs[0], other):
             assert [(s, t) for s, t, _ in a] == [(s, t) for s, t, _ in b]
             assert max(abs(x[2] - y[2]) for x, y in zip(a, b)) < 0.05
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_runner_turns_cudnn_attention_off():
+    # cuDNN's SDPA plans per shape, and a serving step's shapes change at every step: on
+    # an H100 it made each Step several times slower (docs/benchmarks.md, "On a GPU").
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    ModelRunner(str(tiny_model("llama")), device="cuda")
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
