@@ -28,10 +28,13 @@ def _reference(model_dir, ids: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_random_plans_match_generate(arch):
+    model_dir = tiny_model(arch)
+    check_random_plans(model_dir, Engine(ModelRunner(str(model_dir))))
+
+
+def check_random_plans(model_dir, engine: Engine) -> None:
     """Sequences join two per step and are shuffled into 1-3 random groups every step,
     which forces merges, splits and row moves; every output still equals generate."""
-    model_dir = tiny_model(arch)
-    engine = Engine(ModelRunner(str(model_dir)))
     rng = random.Random(0)
     reqs = [([rng.randint(3, 999) for _ in range(rng.randint(1, 150))], rng.randint(1, 24))
             for _ in range(12)]

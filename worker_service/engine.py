@@ -15,6 +15,7 @@ import torch
 from worker_service import kv_swap, sampling, step_checks
 from worker_service.beam import BeamSearches
 from worker_service.contrastive import CandidateTree, ContrastiveSearch
+from worker_service.kv_arena import KVArena
 from worker_service.kv_groups import DetachedKV, KVGroup
 from worker_service.kv_swap import SwapSpace
 from worker_service.length_probe import LengthProbe
@@ -51,11 +52,13 @@ class Engine:
     """The worker's sequences and group caches."""
 
     def __init__(self, runner: ModelRunner, prefix_cache: PrefixCache | None = None,
-                 length_probe: LengthProbe | None = None, swap: SwapSpace | None = None):
+                 length_probe: LengthProbe | None = None, swap: SwapSpace | None = None,
+                 arena: KVArena | None = None):
         self.runner = runner
         self.prefix_cache = prefix_cache
         self.length_probe = length_probe
         self.swap = swap  # None: this worker does not swap (the scheduler recomputes)
+        self.arena = arena  # where group buffers come from (None: torch's allocator)
         self.device = runner.device
         self.sequences: dict[int, SequenceState] = {}
         self.groups: list[KVGroup] = []
@@ -87,12 +90,13 @@ class Engine:
         scheduler may send (max_num_batched_tokens), then drop them. As TGI's warm-up does, this
         shows at start that such a step fits in memory, and it maps the activation memory
         and loads the kernels of those shapes before the first request pays for them.
-        On CPU it also maps `premap_bytes` of host memory for KV buffers. Returns the
-        seconds it took."""
+        On CPU it also maps `premap_bytes` of host memory for the heap (the prefix cache's
+        blocks; group buffers come from the arena where there is one). Returns the seconds
+        it took."""
         t0 = time.perf_counter()
         chunk = max(1, min(chunk, self.runner.facts.max_position_embeddings - 1))
         lengths = [chunk] * (num_tokens // chunk) + ([num_tokens % chunk] if num_tokens % chunk else [])
-        group = KVGroup(self.runner.kv_shape)
+        group = KVGroup(self.runner.kv_shape, arena=self.arena)
         group.ensure_capacity(len(lengths), max(lengths) + 1)
         batch = PackedBatch(self.device, self.runner.layer_attention)
         for row, n in enumerate(lengths):
@@ -101,9 +105,9 @@ class Engine:
         hidden = self.runner.forward(batch)
         self.runner.logits(hidden[-len(lengths):])
         if self.device.type == "cpu" and premap_bytes > 0:
-            # Map memory for KV buffers now: freed host memory stays mapped (host_memory.py),
-            # so the groups of the first requests reuse these pages instead of faulting in
-            # fresh ones (vLLM allocates its whole KV cache at start for the same reason).
+            # Map heap memory now: freed host memory stays mapped (host_memory.py), so the
+            # first requests' prefix-cache blocks (and any group buffer that fits no arena
+            # hole) reuse these pages instead of faulting in fresh ones.
             chunk = 16 << 20
             held = [torch.zeros(chunk, dtype=torch.uint8) for _ in range(premap_bytes // chunk)]
             del held
@@ -208,7 +212,8 @@ class Engine:
             if i not in target and gid not in taken:
                 target[i] = by_id[gid]
                 taken.add(gid)
-        groups = [target.get(i) or KVGroup(self.runner.kv_shape) for i in range(len(plan))]
+        groups = [target.get(i) or KVGroup(self.runner.kv_shape, arena=self.arena)
+                  for i in range(len(plan))]
         moves = []
         for members, group in zip(olds, groups):
             incoming = [sid for sid in members if self.group_of[sid] is not group]

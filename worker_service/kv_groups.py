@@ -14,9 +14,15 @@ results equal unpadded ones.
 from __future__ import annotations
 
 import logging
+import math
+import weakref
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from worker_service.kv_arena import KVArena
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +124,11 @@ class KVGroup:
     # buffers' contents, so a length always names slots that hold the row's KV.
     _lengths: list[int] = field(default_factory=list, repr=False)
     copied_bytes: int = 0  # bytes moved by growth, merges and removals (for metrics)
+    # Where the buffers come from (kv_arena.py); None: torch's allocator.
+    arena: KVArena | None = field(default=None, repr=False, compare=False)
+    # Gives the buffers' arena extent back: called on reallocation, or when the group is
+    # collected (a weakref.finalize, so a dropped group cannot leak its extent).
+    _release: weakref.finalize | None = field(default=None, repr=False, compare=False)
 
     @property
     def rows(self) -> int:
@@ -176,28 +187,49 @@ class KVGroup:
     def _reallocate(self, new_rows: int, new_len: int) -> None:
         s = self.shape
         keep_len = min(self.max_length, new_len)
-        alloc = torch.zeros if s.reads_padding else torch.empty
         if s.uniform:
-            kv = alloc(2, s.num_layers, new_rows, s.key_heads[0], new_len, s.key_dims[0],
-                       dtype=s.dtype, device=s.device)
+            shapes = [(2, s.num_layers, new_rows, s.key_heads[0], new_len, s.key_dims[0])]
+        else:
+            shapes = [shape for layer in range(s.num_layers) for shape in (
+                (new_rows, s.key_heads[layer], new_len, s.key_dims[layer]),
+                (new_rows, s.value_heads[layer], new_len, s.value_dims[layer]))]
+        old_release = self._release
+        tensors = self._buffers(shapes)
+        if s.uniform:
+            kv = tensors[0]
             if self.kv is not None and self.rows:
                 kv[:, :, : self.rows, :, :keep_len] = self.kv[:, :, : self.rows, :, :keep_len]
             self.kv = kv
             new_keys, new_values = list(kv[0].unbind(0)), list(kv[1].unbind(0))
         else:
-            new_keys, new_values = [], []
-            for layer in range(s.num_layers):
-                k = alloc(new_rows, s.key_heads[layer], new_len, s.key_dims[layer],
-                          dtype=s.dtype, device=s.device)
-                v = alloc(new_rows, s.value_heads[layer], new_len, s.value_dims[layer],
-                          dtype=s.dtype, device=s.device)
-                if self.keys and self.rows:
-                    k[: self.rows, :, :keep_len] = self.keys[layer][: self.rows, :, :keep_len]
-                    v[: self.rows, :, :keep_len] = self.values[layer][: self.rows, :, :keep_len]
-                new_keys.append(k)
-                new_values.append(v)
+            new_keys, new_values = tensors[0::2], tensors[1::2]
+            if self.keys and self.rows:
+                for layer in range(s.num_layers):
+                    new_keys[layer][: self.rows, :, :keep_len] = \
+                        self.keys[layer][: self.rows, :, :keep_len]
+                    new_values[layer][: self.rows, :, :keep_len] = \
+                        self.values[layer][: self.rows, :, :keep_len]
         self.copied_bytes += self.rows * keep_len * s.bytes_per_token
         self.keys, self.values = new_keys, new_values
+        if old_release is not None:
+            old_release()  # the old buffers' rows are copied: their extent is free again
+
+    def _buffers(self, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        """New tensors of `shapes`, from one arena extent where there is one that fits
+        (zero-filled where attention reads padding, see KVShape)."""
+        s = self.shape
+        counts = [math.prod(shape) for shape in shapes]
+        nbytes = sum(counts) * s.dtype.itemsize
+        offset = self.arena.take(nbytes) if self.arena is not None else None
+        if offset is None:
+            self._release = None
+            alloc = torch.zeros if s.reads_padding else torch.empty
+            return [alloc(shape, dtype=s.dtype, device=s.device) for shape in shapes]
+        self._release = weakref.finalize(self, self.arena.give, offset, nbytes)
+        data = self.arena.view(offset, nbytes).view(s.dtype)
+        if s.reads_padding:
+            data.zero_()
+        return [part.view(shape) for part, shape in zip(data.split(counts), shapes)]
 
     def _copy_slots(self, dst_row: int, src: KVGroup, src_row: int, start: int,
                     end: int) -> None:

@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker_service.compute import MainThreadExecutor
     from worker_service.engine import Engine
     from worker_service.host_memory import keep_freed_memory
+    from worker_service.kv_arena import kv_arena
     from worker_service.kv_swap import measure_rates, swap_space
     from worker_service.length_probe import LengthProbe, ProbeConfig
     from worker_service.metrics import WorkerMetrics
@@ -205,17 +206,25 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("length probe on (scheduling_policy length-aware, length_predictor %s)",
                     cfg.length_predictor)
     swap = swap_space(cfg.swap_space_bytes, runner.device)
-    engine = Engine(runner, prefix_cache, probe, swap)
+    # On CPU the KV budget's memory is mapped now, as vLLM allocates its KV cache at
+    # start: a page fault on fresh memory costs some 5 us on this project's machines, and
+    # a run whose group buffers grow into heap memory not mapped before pays it per 4 KiB
+    # (docs/benchmarks.md, session 23). Groups take their buffers from this region; the
+    # heap, mapped in the warm-up, keeps the prefix cache's blocks.
+    try:
+        arena = kv_arena(cfg.kv_cache_bytes, runner.device)
+    except RuntimeError:
+        logger.exception("could not map option.kv_cache_bytes=%d of host memory for KV; "
+                         "lower it to what this machine has free", cfg.kv_cache_bytes)
+        server.stop(0)
+        return 1
+    engine = Engine(runner, prefix_cache, probe, swap, arena)
     if degree > 1:
         # Every call that changes the engine or runs the model reaches every rank.
         engine = LeaderEngine(engine)
     try:
-        # On CPU the KV budget's memory is mapped now, as vLLM allocates its KV cache at
-        # start: a page fault on fresh memory costs some 5 us on this project's machines,
-        # and a run that grows its groups past memory mapped before pays it per 4 KiB
-        # (docs/benchmarks.md, session 23: 1.2 GB faulted in a 22 s run).
         seconds = engine.warm_up(cfg.max_num_batched_tokens,
-                                 premap_bytes=cfg.kv_cache_bytes)
+                                 premap_bytes=cfg.prompt_cache_bytes)
     except Exception:
         logger.exception("warm-up: a %d-token prefill step failed on this device; lower "
                          "option.max_num_batched_tokens", cfg.max_num_batched_tokens)
