@@ -164,7 +164,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("default_max_new_tokens", int, "an integer >= 1", lambda v: v >= 1,
            "max_new_tokens when a request does not say"),
     Option("kv_cache_bytes", int, "an integer >= 1", lambda v: v >= 1,
-           "worker memory for KV caches (bytes; on CPU mapped at start)"),
+           "worker memory for KV caches (bytes; on CPU one region mapped at start)"),
     Option("prompt_cache_bytes", int, "an integer >= 0", lambda v: v >= 0,
            "worker memory for cached prompt prefixes (bytes)"),
     Option("prompt_cache_block_tokens", int, "an integer in [1, 1024]",

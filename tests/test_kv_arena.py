@@ -17,49 +17,72 @@ from worker_service.kv_groups import KVGroup, KVShape
 from worker_service.model_runner import ModelRunner
 
 
-def test_extents_are_taken_first_fit_and_merged_when_given_back():
-    a = KVArena(10 * ALIGN)
-    offsets = [a.take(ALIGN) for _ in range(5)]
-    assert offsets == [0, ALIGN, 2 * ALIGN, 3 * ALIGN, 4 * ALIGN]
-    assert a.take(1) == 5 * ALIGN  # sizes round up to ALIGN
-    a.give(ALIGN, ALIGN)
-    a.give(3 * ALIGN, ALIGN)
-    assert a.holes == [(ALIGN, ALIGN), (3 * ALIGN, ALIGN), (6 * ALIGN, 4 * ALIGN)]
-    assert a.take(2 * ALIGN) == 6 * ALIGN  # no earlier hole is long enough
-    assert a.take(ALIGN) == ALIGN  # the first hole that fits
-    a.give(2 * ALIGN, ALIGN)  # merges with the hole after it
-    assert a.holes == [(2 * ALIGN, 2 * ALIGN), (8 * ALIGN, 2 * ALIGN)]
-    a.give(4 * ALIGN, ALIGN)
-    a.give(ALIGN, ALIGN)  # merges both ways
-    assert a.holes == [(ALIGN, 4 * ALIGN), (8 * ALIGN, 2 * ALIGN)]
-    assert a.take(5 * ALIGN) is None and a.misses == 1
-    assert a.used_bytes == 10 * ALIGN - 6 * ALIGN
+class _Owner:
+    def __init__(self):
+        self.rebinds = 0
+
+    def rebind(self):
+        self.rebinds += 1
+
+
+def test_extents_are_taken_first_fit_merged_when_given_back_and_compacted():
+    A = ALIGN
+    a = KVArena(10 * A)
+    owners = [_Owner() for _ in range(8)]
+    e = [a.take(A, owners[i]) for i in range(5)]
+    assert [x.offset for x in e] == [0, A, 2 * A, 3 * A, 4 * A]
+    f = a.take(1, owners[5])
+    assert f.offset == 5 * A and f.nbytes == A  # sizes round up to ALIGN
+    a.give(e[1])
+    a.give(e[3])
+    assert a.holes == [(A, A), (3 * A, A), (6 * A, 4 * A)]
+    g = a.take(2 * A, owners[6])
+    assert g.offset == 6 * A  # no earlier hole is long enough
+    h = a.take(A, owners[7])
+    assert h.offset == A  # the first hole that fits
+    a.give(e[2])  # merges with the hole after it
+    assert a.holes == [(2 * A, 2 * A), (8 * A, 2 * A)]
+    a.give(e[4])
+    a.give(h)  # merges both ways
+    assert a.holes == [(A, 4 * A), (8 * A, 2 * A)] and a.used_bytes == 4 * A
+    for x, value in ((e[0], 1), (f, 2), (g, 3)):
+        a.view(x, x.nbytes).fill_(value)
+    # 6 A free, no hole of 5 A: the held extents move down, their owners rebind.
+    big = a.take(5 * A, _Owner())
+    assert a.compactions == 1 and big.offset == 4 * A and a.holes == [(9 * A, A)]
+    assert (e[0].offset, f.offset, g.offset) == (0, A, 2 * A)
+    assert [o.rebinds for o in (owners[0], owners[5], owners[6])] == [0, 1, 1]
+    assert all(bool((a.view(x, x.nbytes) == value).all())
+               for x, value in ((e[0], 1), (f, 2), (g, 3)))
+    assert a.take(2 * A) is None and a.misses == 1  # more than the free bytes
     with pytest.raises(ValueError, match="given back twice"):
-        a.give(2 * ALIGN, ALIGN)
+        a.give(h)
 
 
-def test_random_takes_and_gives_never_overlap():
+def test_random_takes_and_gives_keep_every_extent_exact():
     rng = random.Random(7)
     a = KVArena(4096 * ALIGN)
-    held: dict[int, int] = {}
-    for _ in range(2000):
+    held = {}  # extent -> the byte value it was filled with
+    for step in range(2000):
         if held and rng.random() < 0.45:
-            offset = rng.choice(list(held))
-            a.give(offset, held.pop(offset))
+            extent = rng.choice(list(held))
+            del held[extent]
+            a.give(extent)
         else:
-            n = rng.randint(1, 300 * ALIGN)
-            offset = a.take(n)
-            if offset is not None:
-                held[offset] = n
-        spans = sorted((o, o + -(-n // ALIGN) * ALIGN) for o, n in held.items())
-        spans += [(o, o + n) for o, n in a.holes]
-        spans.sort()
+            extent = a.take(rng.randint(1, 600 * ALIGN), _Owner())
+            if extent is not None:
+                held[extent] = step % 251
+                a.view(extent, extent.nbytes).fill_(held[extent])
+        spans = sorted([(x.offset, x.offset + x.nbytes) for x in held]
+                       + [(o, o + n) for o, n in a.holes])
         # Held extents and holes tile the arena exactly: no overlap, nothing lost.
         assert spans[0][0] == 0 and spans[-1][1] == a.capacity_bytes
         assert all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
         assert all(x[0] + x[1] < y[0] for x, y in zip(a.holes, a.holes[1:]))  # merged
-    for offset, n in held.items():
-        a.give(offset, n)
+        assert all(bool((a.view(x, x.nbytes) == v).all()) for x, v in held.items())
+    assert a.compactions > 0 and a.misses > 0
+    for extent in list(held):
+        a.give(extent)
     assert a.holes == [(0, a.capacity_bytes)] and a.used_bytes == 0
 
 
@@ -97,6 +120,41 @@ def test_groups_in_the_arena_keep_their_kv_and_give_it_back(dims):
     del g
     gc.collect()
     assert a.used_bytes == 0 and a.holes == [(0, a.capacity_bytes)]
+
+
+def _filled(shape: KVShape, a: KVArena, rows: int, length: int):
+    g = KVGroup(shape, arena=a)
+    truth = []
+    for r in range(rows):
+        g.add_empty_row(r, length)
+        kv = [(torch.randn(shape.key_heads[i], length, shape.key_dims[i]),
+               torch.randn(shape.value_heads[i], length, shape.value_dims[i]))
+              for i in range(shape.num_layers)]
+        for i, (k, v) in enumerate(kv):
+            g.keys[i][r, :, :length], g.values[i][r, :, :length] = k, v
+        g.fill(r, length)
+        truth.append(kv)
+    return g, truth
+
+
+@pytest.mark.parametrize("dims", [UNIFORM, MIXED])
+def test_a_group_that_fits_only_after_the_holes_close_moves_its_neighbours(dims):
+    shape = KVShape(*dims, dtype=torch.float32, device=torch.device("cpu"))
+    per = 4 * 64 * shape.bytes_per_token  # a group of 4 rows and 64 slots
+    a = KVArena(16 * per // 3)
+    first, _ = _filled(shape, a, 4, 10)
+    growing, truth = _filled(shape, a, 4, 10)
+    last, last_truth = _filled(shape, a, 4, 10)
+    del first  # a hole before both
+    gc.collect()
+    assert len(a.holes) == 2 and a.compactions == 0
+    growing.ensure_capacity(4, 150)  # 192 slots: longer than either hole, not the free bytes
+    assert a.compactions == 1 and a.misses == 0
+    assert _in_arena(growing, a) and _in_arena(last, a)
+    assert all(_holds(growing, r, truth[r], 10) for r in range(4))
+    assert all(_holds(last, r, last_truth[r], 10) for r in range(4))
+    last.add_row_from(growing, 2)  # the moved views are the buffers the group uses
+    assert _holds(last, 4, truth[2], 10)
 
 
 def test_a_full_arena_leaves_buffers_to_the_heap_and_takes_them_back_later():

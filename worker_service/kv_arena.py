@@ -7,16 +7,22 @@ and on this project's machines each fresh 4 KiB page costs some 5 us to fault in
 (docs/benchmarks.md, session 23: 0.85 GB faulted in one Mooncake run, 1.7-2.5 s of
 reallocation). Here the groups' buffers come from one region the worker owns and maps at
 start, as vLLM's CPU backend allocates its KV space at start, and the prefix cache keeps
-the heap to itself. Each buffer takes one extent, first fit; a buffer that fits nowhere
-comes from the heap instead (still correct, only slower), and the first such miss is
-logged. Only the CPU worker has one: on a GPU torch's caching allocator keeps freed
+the heap to itself. Each buffer takes one extent, first fit; where no hole is long enough
+but the free bytes are, the held extents are moved down to close the holes (as the swap
+space does), and only a buffer larger than the free bytes comes from the heap instead
+(still correct, only slower; the first such miss is logged). Only the CPU worker has one: on a GPU torch's caching allocator keeps freed
 device memory for reuse already.
 """
 
 from __future__ import annotations
 
 import bisect
+import ctypes
+import gc
 import logging
+import weakref
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -26,29 +32,53 @@ logger = logging.getLogger(__name__)
 ALIGN = 64
 
 
+class Movable(Protocol):
+    def rebind(self) -> None:
+        """Re-make the views of an extent whose offset the arena has just changed."""
+
+
+@dataclass(eq=False)
+class Extent:
+    """Bytes [offset, offset + nbytes) of the arena, held for `owner` (whose `rebind` the
+    arena calls after moving them). The arena changes `offset` when it closes holes."""
+
+    offset: int
+    nbytes: int  # a multiple of ALIGN
+    owner: weakref.ref | None = None
+
+
 class KVArena:
     """`capacity_bytes` of host memory carved into extents for group buffers."""
 
     def __init__(self, capacity_bytes: int):
-        if capacity_bytes < ALIGN:
-            raise ValueError(f"a KV arena of {capacity_bytes} bytes is too small; give it at "
-                             f"least {ALIGN}")
-        self.capacity_bytes = capacity_bytes - capacity_bytes % ALIGN
+        self.capacity_bytes = max(0, capacity_bytes - capacity_bytes % ALIGN)
         # zeros, not empty: writing every page maps the whole region now, at start.
         self.buffer = torch.zeros(self.capacity_bytes, dtype=torch.uint8)
         # The holes, as (offset, length), sorted by offset; neighbours are always merged.
-        self._holes: list[tuple[int, int]] = [(0, self.capacity_bytes)]
+        self._holes: list[tuple[int, int]] = [(0, self.capacity_bytes)] if self.capacity_bytes else []
+        self._held: set[Extent] = set()
         self.used_bytes = 0
-        self.misses = 0  # buffers that fitted no hole (taken from the heap instead)
+        self.misses = 0  # buffers that fitted nowhere (taken from the heap instead)
+        self.compactions = 0  # times the holes were closed to make room
 
     @property
     def holes(self) -> list[tuple[int, int]]:
         return list(self._holes)
 
-    def take(self, nbytes: int) -> int | None:
-        """The offset of a new extent of `nbytes` (first fit), or None where no hole is
-        long enough."""
+    def take(self, nbytes: int, owner: Movable | None = None) -> Extent | None:
+        """A new extent of `nbytes`: the first hole that fits; where none does but the
+        free bytes would, the held extents are moved down first (their owners re-make
+        their views). None where the free bytes are too few."""
         size = _aligned(nbytes)
+        if not any(length >= size for _, length in self._holes):
+            if self.capacity_bytes - self.used_bytes < size:
+                self.misses += 1
+                if self.misses == 1:
+                    logger.info("KV arena: a %d-byte group buffer does not fit (%d of %d bytes "
+                                "in use); such buffers come from the heap, slower to map",
+                                nbytes, self.used_bytes, self.capacity_bytes)
+                return None
+            self._compact()
         for i, (offset, length) in enumerate(self._holes):
             if length >= size:
                 if length == size:
@@ -56,23 +86,21 @@ class KVArena:
                 else:
                     self._holes[i] = (offset + size, length - size)
                 self.used_bytes += size
-                return offset
-        self.misses += 1
-        if self.misses == 1:
-            logger.info("KV arena: a %d-byte group buffer fits none of its holes (%d of %d "
-                        "bytes in use); such buffers come from the heap, slower to map",
-                        nbytes, self.used_bytes, self.capacity_bytes)
-        return None
+                extent = Extent(offset, size, weakref.ref(owner) if owner is not None else None)
+                self._held.add(extent)
+                return extent
+        raise AssertionError("no hole after closing them all")  # free bytes were counted
 
-    def give(self, offset: int, nbytes: int) -> None:
-        """Return the extent `take` gave at `offset` for `nbytes`."""
-        size = _aligned(nbytes)
+    def give(self, extent: Extent) -> None:
+        """Return an extent `take` gave."""
+        if extent not in self._held:
+            raise ValueError(f"extent at {extent.offset} of {extent.nbytes} bytes is not held: "
+                             "given back twice, or not from this arena")
+        self._held.discard(extent)
+        offset, size = extent.offset, extent.nbytes
         i = bisect.bisect_left(self._holes, (offset, 0))
         before = self._holes[i - 1] if i else None
         after = self._holes[i] if i < len(self._holes) else None
-        if (before and before[0] + before[1] > offset) or (after and offset + size > after[0]):
-            raise ValueError(f"extent [{offset}, {offset + size}) overlaps a hole: given "
-                             "back twice, or never taken")
         start, end = offset, offset + size
         if after and after[0] == end:
             end += after[1]
@@ -84,8 +112,37 @@ class KVArena:
         self._holes.insert(i, (start, end - start))
         self.used_bytes -= size
 
-    def view(self, offset: int, nbytes: int) -> torch.Tensor:
-        return self.buffer[offset:offset + nbytes]
+    def view(self, extent: Extent, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of an extent (uint8)."""
+        return self.buffer[extent.offset:extent.offset + nbytes]
+
+    def _compact(self) -> None:
+        """Move every held extent down against the one before it (memmove: the ranges
+        may overlap), then tell each live owner; one hole is left, at the end. Runs with
+        the garbage collector paused so that no owner's finalizer gives an extent back
+        while the extents move."""
+        self.compactions += 1
+        logger.debug("KV arena: closing %d holes (%d of %d bytes in use)", len(self._holes),
+                      self.used_bytes, self.capacity_bytes)
+        base = self.buffer.data_ptr()
+        paused = gc.isenabled()
+        gc.disable()
+        try:
+            at, moved = 0, []
+            for extent in sorted(self._held, key=lambda e: e.offset):
+                if extent.offset != at:
+                    ctypes.memmove(base + at, base + extent.offset, extent.nbytes)
+                    extent.offset = at
+                    moved.append(extent)
+                at += extent.nbytes
+            self._holes = [(at, self.capacity_bytes - at)] if at < self.capacity_bytes else []
+            for extent in moved:
+                owner = extent.owner() if extent.owner is not None else None
+                if owner is not None:
+                    owner.rebind()
+        finally:
+            if paused:
+                gc.enable()
 
 
 def kv_arena(capacity_bytes: int, device: torch.device) -> KVArena | None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from worker_service.kv_arena import KVArena
+    from worker_service.kv_arena import Extent, KVArena
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +126,9 @@ class KVGroup:
     copied_bytes: int = 0  # bytes moved by growth, merges and removals (for metrics)
     # Where the buffers come from (kv_arena.py); None: torch's allocator.
     arena: KVArena | None = field(default=None, repr=False, compare=False)
-    # Gives the buffers' arena extent back: called on reallocation, or when the group is
-    # collected (a weakref.finalize, so a dropped group cannot leak its extent).
+    # The buffers' arena extent, and what gives it back: called on reallocation, or when
+    # the group is collected (a weakref.finalize, so a dropped group cannot leak it).
+    _extent: Extent | None = field(default=None, repr=False, compare=False)
     _release: weakref.finalize | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -215,21 +216,39 @@ class KVGroup:
             old_release()  # the old buffers' rows are copied: their extent is free again
 
     def _buffers(self, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
-        """New tensors of `shapes`, from one arena extent where there is one that fits
+        """New tensors of `shapes`, from one arena extent where the arena has room
         (zero-filled where attention reads padding, see KVShape)."""
         s = self.shape
-        counts = [math.prod(shape) for shape in shapes]
-        nbytes = sum(counts) * s.dtype.itemsize
-        offset = self.arena.take(nbytes) if self.arena is not None else None
-        if offset is None:
+        nbytes = sum(math.prod(shape) for shape in shapes) * s.dtype.itemsize
+        # Taking may move the arena's extents, this group's current one too (rebind).
+        extent = self.arena.take(nbytes, self) if self.arena is not None else None
+        self._extent = extent
+        if extent is None:
             self._release = None
             alloc = torch.zeros if s.reads_padding else torch.empty
             return [alloc(shape, dtype=s.dtype, device=s.device) for shape in shapes]
-        self._release = weakref.finalize(self, self.arena.give, offset, nbytes)
-        data = self.arena.view(offset, nbytes).view(s.dtype)
+        self._release = weakref.finalize(self, self.arena.give, extent)
+        tensors = self._carve(shapes)
         if s.reads_padding:
-            data.zero_()
+            for t in tensors:
+                t.zero_()
+        return tensors
+
+    def _carve(self, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        counts = [math.prod(shape) for shape in shapes]
+        data = self.arena.view(self._extent, sum(counts) * self.shape.dtype.itemsize)
+        data = data.view(self.shape.dtype)
         return [part.view(shape) for part, shape in zip(data.split(counts), shapes)]
+
+    def rebind(self) -> None:
+        """Re-make the buffers' views after the arena moved their extent (kv_arena.py)."""
+        if self.kv is not None:
+            self.kv = self._carve([tuple(self.kv.shape)])[0]
+            self.keys, self.values = list(self.kv[0].unbind(0)), list(self.kv[1].unbind(0))
+            return
+        shapes = [tuple(t.shape) for pair in zip(self.keys, self.values) for t in pair]
+        tensors = self._carve(shapes)
+        self.keys, self.values = tensors[0::2], tensors[1::2]
 
     def _copy_slots(self, dst_row: int, src: KVGroup, src_row: int, start: int,
                     end: int) -> None:
