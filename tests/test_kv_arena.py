@@ -46,13 +46,13 @@ def test_extents_are_taken_first_fit_merged_when_given_back_and_compacted():
     a.give(h)  # merges both ways
     assert a.holes == [(A, 4 * A), (8 * A, 2 * A)] and a.used_bytes == 4 * A
     for x, value in ((e[0], 1), (f, 2), (g, 3)):
-        a.view(x, x.nbytes).fill_(value)
+        a.view(x).fill_(value)
     # 6 A free, no hole of 5 A: the held extents move down, their owners rebind.
     big = a.take(5 * A, _Owner())
     assert a.compactions == 1 and big.offset == 4 * A and a.holes == [(9 * A, A)]
     assert (e[0].offset, f.offset, g.offset) == (0, A, 2 * A)
     assert [o.rebinds for o in (owners[0], owners[5], owners[6])] == [0, 1, 1]
-    assert all(bool((a.view(x, x.nbytes) == value).all())
+    assert all(bool((a.view(x) == value).all())
                for x, value in ((e[0], 1), (f, 2), (g, 3)))
     assert a.take(2 * A) is None and a.misses == 1  # more than the free bytes
     with pytest.raises(ValueError, match="given back twice"):
@@ -72,14 +72,14 @@ def test_random_takes_and_gives_keep_every_extent_exact():
             extent = a.take(rng.randint(1, 600 * ALIGN), _Owner())
             if extent is not None:
                 held[extent] = step % 251
-                a.view(extent, extent.nbytes).fill_(held[extent])
+                a.view(extent).fill_(held[extent])
         spans = sorted([(x.offset, x.offset + x.nbytes) for x in held]
                        + [(o, o + n) for o, n in a.holes])
         # Held extents and holes tile the arena exactly: no overlap, nothing lost.
         assert spans[0][0] == 0 and spans[-1][1] == a.capacity_bytes
         assert all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
         assert all(x[0] + x[1] < y[0] for x, y in zip(a.holes, a.holes[1:]))  # merged
-        assert all(bool((a.view(x, x.nbytes) == v).all()) for x, v in held.items())
+        assert all(bool((a.view(x) == v).all()) for x, v in held.items())
     assert a.compactions > 0 and a.misses > 0
     for extent in list(held):
         a.give(extent)

@@ -112,9 +112,9 @@ class KVArena:
         self._holes.insert(i, (start, end - start))
         self.used_bytes -= size
 
-    def view(self, extent: Extent, nbytes: int) -> torch.Tensor:
-        """The first `nbytes` of an extent (uint8)."""
-        return self.buffer[extent.offset:extent.offset + nbytes]
+    def view(self, extent: Extent) -> torch.Tensor:
+        """An extent's bytes (uint8)."""
+        return self.buffer[extent.offset:extent.offset + extent.nbytes]
 
     def _compact(self) -> None:
         """Move every held extent down against the one before it (memmove: the ranges

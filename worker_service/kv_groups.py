@@ -90,19 +90,24 @@ class DetachedKV:
     def carve(cls, buffer: torch.Tensor, shape: KVShape, slots: int) -> DetachedKV:
         """`slots` tokens of KV in the layout `KVGroup.copy_out` gives, as views of
         `buffer` (uint8, exactly slots x shape.bytes_per_token long)."""
-        data = buffer.view(shape.dtype)
         if shape.uniform:
             heads, dim = shape.key_heads[0], shape.key_dims[0]
-            return cls(slots, data.view(2, shape.num_layers, heads, slots, dim), None)
-        at, layers = 0, []
-        for kh, kd, vh, vd in zip(shape.key_heads, shape.key_dims, shape.value_heads,
-                                  shape.value_dims):
-            k = data[at:at + kh * slots * kd].view(kh, slots, kd)
-            at += kh * slots * kd
-            v = data[at:at + vh * slots * vd].view(vh, slots, vd)
-            at += vh * slots * vd
-            layers.append((k, v))
-        return cls(slots, None, layers)
+            kv = carve(buffer, shape.dtype, [(2, shape.num_layers, heads, slots, dim)])[0]
+            return cls(slots, kv, None)
+        tensors = carve(buffer, shape.dtype, [
+            s for kh, kd, vh, vd in zip(shape.key_heads, shape.key_dims, shape.value_heads,
+                                        shape.value_dims)
+            for s in ((kh, slots, kd), (vh, slots, vd))])
+        return cls(slots, None, list(zip(tensors[0::2], tensors[1::2])))
+
+
+def carve(buffer: torch.Tensor, dtype: torch.dtype, shapes: list[tuple[int, ...]]
+          ) -> list[torch.Tensor]:
+    """Tensors of `shapes`, one after another, as views of `buffer` (uint8, at least as
+    long as they are together)."""
+    counts = [math.prod(shape) for shape in shapes]
+    data = buffer[:sum(counts) * dtype.itemsize].view(dtype)
+    return [part.view(shape) for part, shape in zip(data.split(counts), shapes)]
 
 
 def _round_up(n: int, align: int) -> int:
@@ -235,10 +240,7 @@ class KVGroup:
         return tensors
 
     def _carve(self, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
-        counts = [math.prod(shape) for shape in shapes]
-        data = self.arena.view(self._extent, sum(counts) * self.shape.dtype.itemsize)
-        data = data.view(self.shape.dtype)
-        return [part.view(shape) for part, shape in zip(data.split(counts), shapes)]
+        return carve(self.arena.view(self._extent), self.shape.dtype, shapes)
 
     def rebind(self) -> None:
         """Re-make the buffers' views after the arena moved their extent (kv_arena.py)."""
