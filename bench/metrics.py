@@ -135,4 +135,6 @@ def worker_metrics(before: dict[str, float], after: dict[str, float]) -> dict:
         "prefix_cache_hit_tokens": delta("seqserve_worker_prefix_cache_hit_tokens_total"),
         "prefix_cache_evictions": delta("seqserve_worker_prefix_cache_evictions_total"),
         "prefix_cache_bytes": after.get("seqserve_worker_prefix_cache_bytes", float("nan")),
+        "kv_arena_compactions": delta("seqserve_worker_kv_arena_compactions_total"),
+        "kv_arena_misses": delta("seqserve_worker_kv_arena_misses_total"),
     }

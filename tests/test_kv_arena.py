@@ -184,7 +184,20 @@ def test_an_engine_on_the_arena_matches_generate(arch):
     engine = Engine(ModelRunner(str(model_dir)), arena=arena)
     check_random_plans(model_dir, engine)  # merges, splits and row moves, in the arena
     assert arena.misses == 0 and arena.used_bytes > 0
+    assert engine.step([], [], []).arena_stats == (arena.compactions, 0)
     assert all(_in_arena(g, arena) for g in engine.groups)
     engine.drop_sequences()
     gc.collect()
     assert arena.used_bytes == 0
+
+
+def test_the_worker_exports_what_the_arena_counts():
+    from worker_service.metrics import WorkerMetrics
+    from worker_service.step import StepResult
+
+    m = WorkerMetrics()
+    for stats in ((0, 0), (2, 1), (2, 1), (5, 1)):
+        m.observe_step(StepResult(arena_stats=stats), 1)
+    value = m.registry.get_sample_value
+    assert value("seqserve_worker_kv_arena_compactions_total") == 5
+    assert value("seqserve_worker_kv_arena_misses_total") == 1

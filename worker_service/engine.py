@@ -182,6 +182,8 @@ class Engine:
         result.kv_allocated_bytes = self.allocated_bytes()
         if self.swap is not None:
             result.swapped_sequences, result.swap_bytes = len(self.swap), self.swap.used_bytes
+        if self.arena is not None:
+            result.arena_stats = (self.arena.compactions, self.arena.misses)
         pc = self.prefix_cache
         if pc is not None:
             st = pc.stats

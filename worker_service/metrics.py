@@ -50,6 +50,13 @@ class WorkerMetrics:
         self._last_stats = None
         self.kv_allocated = Gauge("seqserve_worker_kv_allocated_bytes",
                                   "Bytes allocated for group KV buffers", registry=r)
+        self.arena_compactions = Counter("seqserve_worker_kv_arena_compactions_total",
+                                         "Times the KV arena moved its buffers to close holes",
+                                         registry=r)
+        self.arena_misses = Counter("seqserve_worker_kv_arena_misses_total",
+                                    "Group buffers larger than the KV arena's free bytes, "
+                                    "taken from the heap", registry=r)
+        self._last_arena = (0, 0)
 
     def dropped_all(self) -> None:
         """The engine dropped every sequence (a Reset, or the lease ran out)."""
@@ -72,6 +79,11 @@ class WorkerMetrics:
         self.kv_allocated.set(result.kv_allocated_bytes)
         self.swapped.set(result.swapped_sequences)
         self.swap_bytes.set(result.swap_bytes)
+        if result.arena_stats is not None:
+            # The arena lives as long as the worker: its counts only grow.
+            self.arena_compactions.inc(result.arena_stats[0] - self._last_arena[0])
+            self.arena_misses.inc(result.arena_stats[1] - self._last_arena[1])
+            self._last_arena = result.arena_stats
         if result.prefix_stats is not None:
             last = self._last_stats or (0, 0, 0, 0)
             now = result.prefix_stats

@@ -70,6 +70,7 @@ class StepResult:
     prefix_stats: tuple[int, int, int, int] | None = None  # queries, hits, hit tokens, evictions
     swapped_sequences: int = 0
     swap_bytes: int = 0
+    arena_stats: tuple[int, int] | None = None  # the KV arena's compactions, misses (so far)
 
 
 @dataclass
