@@ -17,6 +17,7 @@ device memory for reuse already.
 from __future__ import annotations
 
 import bisect
+import collections
 import ctypes
 import gc
 import logging
@@ -57,21 +58,30 @@ class KVArena:
         # The holes, as (offset, length), sorted by offset; neighbours are always merged.
         self._holes: list[tuple[int, int]] = [(0, self.capacity_bytes)] if self.capacity_bytes else []
         self._held: set[Extent] = set()
-        self.used_bytes = 0
+        # Extents of owners collected by the garbage collector, which may run on any
+        # thread or inside this class's own methods: they wait here (a deque's append is
+        # atomic) and are given back by the next call on the compute thread.
+        self._returned: collections.deque[Extent] = collections.deque()
         self.misses = 0  # buffers that fitted nowhere (taken from the heap instead)
         self.compactions = 0  # times the holes were closed to make room
 
     @property
     def holes(self) -> list[tuple[int, int]]:
+        self._give_returned()
         return list(self._holes)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.capacity_bytes - sum(length for _, length in self.holes)
 
     def take(self, nbytes: int, owner: Movable | None = None) -> Extent | None:
         """A new extent of `nbytes`: the first hole that fits; where none does but the
         free bytes would, the held extents are moved down first (their owners re-make
         their views). None where the free bytes are too few."""
         size = _aligned(nbytes)
+        self._give_returned()
         if not any(length >= size for _, length in self._holes):
-            if self.capacity_bytes - self.used_bytes < size:
+            if sum(length for _, length in self._holes) < size:
                 self.misses += 1
                 if self.misses == 1:
                     logger.info("KV arena: a %d-byte group buffer does not fit (%d of %d bytes "
@@ -85,14 +95,25 @@ class KVArena:
                     del self._holes[i]
                 else:
                     self._holes[i] = (offset + size, length - size)
-                self.used_bytes += size
                 extent = Extent(offset, size, weakref.ref(owner) if owner is not None else None)
                 self._held.add(extent)
                 return extent
         raise AssertionError("no hole after closing them all")  # free bytes were counted
 
     def give(self, extent: Extent) -> None:
-        """Return an extent `take` gave."""
+        """Return an extent `take` gave (on the compute thread)."""
+        self._give_returned()
+        self._give(extent)
+
+    def give_later(self, extent: Extent) -> None:
+        """Return an extent from any thread (a finalizer): given back by the next call."""
+        self._returned.append(extent)
+
+    def _give_returned(self) -> None:
+        while self._returned:
+            self._give(self._returned.popleft())
+
+    def _give(self, extent: Extent) -> None:
         if extent not in self._held:
             raise ValueError(f"extent at {extent.offset} of {extent.nbytes} bytes is not held: "
                              "given back twice, or not from this arena")
@@ -110,7 +131,6 @@ class KVArena:
             i -= 1
             del self._holes[i]
         self._holes.insert(i, (start, end - start))
-        self.used_bytes -= size
 
     def view(self, extent: Extent) -> torch.Tensor:
         """An extent's bytes (uint8)."""

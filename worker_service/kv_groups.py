@@ -131,8 +131,9 @@ class KVGroup:
     copied_bytes: int = 0  # bytes moved by growth, merges and removals (for metrics)
     # Where the buffers come from (kv_arena.py); None: torch's allocator.
     arena: KVArena | None = field(default=None, repr=False, compare=False)
-    # The buffers' arena extent, and what gives it back: called on reallocation, or when
-    # the group is collected (a weakref.finalize, so a dropped group cannot leak it).
+    # The buffers' arena extent, and what gives it back when the group is collected (a
+    # weakref.finalize, so a dropped group cannot leak it; reallocation detaches it and
+    # gives the extent back at once).
     _extent: Extent | None = field(default=None, repr=False, compare=False)
     _release: weakref.finalize | None = field(default=None, repr=False, compare=False)
 
@@ -199,7 +200,7 @@ class KVGroup:
             shapes = [shape for layer in range(s.num_layers) for shape in (
                 (new_rows, s.key_heads[layer], new_len, s.key_dims[layer]),
                 (new_rows, s.value_heads[layer], new_len, s.value_dims[layer]))]
-        old_release = self._release
+        old_release, old_extent = self._release, self._extent
         tensors = self._buffers(shapes)
         if s.uniform:
             kv = tensors[0]
@@ -217,8 +218,8 @@ class KVGroup:
                         self.values[layer][: self.rows, :, :keep_len]
         self.copied_bytes += self.rows * keep_len * s.bytes_per_token
         self.keys, self.values = new_keys, new_values
-        if old_release is not None:
-            old_release()  # the old buffers' rows are copied: their extent is free again
+        if old_release is not None and old_release.detach() is not None:
+            self.arena.give(old_extent)  # the old buffers' rows are copied: free again
 
     def _buffers(self, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
         """New tensors of `shapes`, from one arena extent where the arena has room
@@ -232,7 +233,7 @@ class KVGroup:
             self._release = None
             alloc = torch.zeros if s.reads_padding else torch.empty
             return [alloc(shape, dtype=s.dtype, device=s.device) for shape in shapes]
-        self._release = weakref.finalize(self, self.arena.give, extent)
+        self._release = weakref.finalize(self, self.arena.give_later, extent)
         tensors = self._carve(shapes)
         if s.reads_padding:
             for t in tensors:

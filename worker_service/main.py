@@ -66,11 +66,15 @@ def follower_main(cfg, me: tp.Rank, device: str) -> int:
     except Exception:
         logger.exception("rank %d could not load model %s", me.rank, cfg.model_id)
         return 1
+    from worker_service.kv_arena import kv_arena
     from worker_service.kv_swap import swap_space
 
+    # Rank 0's warm-up, which this rank mirrors, maps only the prefix cache's heap: group
+    # buffers come from an arena here too (main() says why).
     engine = Engine(runner, PrefixCache(runner.kv_shape, cfg.prompt_cache_bytes,
                                         cfg.prompt_cache_block_tokens),
-                    swap=swap_space(cfg.swap_space_bytes, runner.device))
+                    swap=swap_space(cfg.swap_space_bytes, runner.device),
+                    arena=kv_arena(cfg.kv_cache_bytes, runner.device))
     code = follow(engine)
     logger.info("rank %d exits (%d)", me.rank, code)
     return code
