@@ -118,6 +118,11 @@ class AdmissionPolicy(Protocol):
 
     def admit(self, waiting: WaitingQueue, budget: Budget) -> list[Sequence]: ...
 
+    def order(self, waiting: WaitingQueue) -> list[Sequence]:
+        """The waiting sequences in the order admission would take them, room permitting
+        (the swapped-out ones' KV is copied back to the device ahead in this order)."""
+        ...
+
     def preempt(self, waiting: WaitingQueue, running: list[Sequence],
                 budget: Budget) -> list[Sequence]: ...
 
@@ -150,6 +155,9 @@ class FCFSAdmission:
         for _ in admitted:
             waiting.pop()
         return admitted
+
+    def order(self, waiting: WaitingQueue) -> list[Sequence]:
+        return list(waiting)
 
     def prefill_order(self, started: list[Sequence], admitted: list[Sequence],
                       waiting: WaitingQueue) -> list[Sequence]:

@@ -32,6 +32,10 @@ class StepPlan:
     # `prefill` whose KV comes back from there instead of a prefill (preemption.py).
     swap_out: list[int] = field(default_factory=list)
     swap_in: list[int] = field(default_factory=list)
+    # Swapped-out sequences whose KV the worker copies back to the device ahead of their
+    # swap_in, and those whose device copy it frees again (Swapper.plan_prefetch).
+    prefetch: list[int] = field(default_factory=list)
+    unprefetch: list[int] = field(default_factory=list)
 
     @property
     def prefill_tokens(self) -> int:

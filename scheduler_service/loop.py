@@ -22,7 +22,7 @@ from scheduler_service.batch_plan import BatchPlanner, StepPlan
 from scheduler_service.chunking import Chunk, StepBudget
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.output import LOCAL
-from scheduler_service.preemption import Swapper, preempt
+from scheduler_service.preemption import Swapper, preempt, prefetch_limit, slots_soon
 from scheduler_service.recovery import recover
 from scheduler_service.sequence import FinishReason, Sequence, Status
 from scheduler_service.step_pacing import StepPacer, step_size
@@ -58,14 +58,16 @@ class IterationLoop:
                  metrics: SchedulerMetrics, max_num_batched_tokens: int, steps_in_flight: int,
                  policy: AdmissionPolicy | None = None,  # None: FCFS
                  enable_chunked_prefill: bool = True, length_labels: bool = True,
-                 step_send_lead_ms: float = 3.0, preemption_mode: str = "auto"):
+                 step_send_lead_ms: float = 3.0, preemption_mode: str = "auto",
+                 swap_prefetch: int = -1):
         assert worker.info is not None, "connect the worker before starting the loop"
         self.worker = worker
         self.name = worker.address  # the `worker` label of its metrics
         self.preemption_mode = preemption_mode
-        self._use(worker.info)
+        self.swap_prefetch = swap_prefetch
         self.max_batch = max_rolling_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
+        self._use(worker.info)
         self.chunked = enable_chunked_prefill
         self.worker_timeout = worker_timeout
         self.metrics = metrics
@@ -110,6 +112,7 @@ class IterationLoop:
         self.eos_ids = info.eos_token_ids
         self.kv_budget = info.kv_capacity_tokens
         self.swapper = Swapper(self.preemption_mode, info.swap)  # it holds no swapped KV
+        self.prefetch_limit = prefetch_limit(self.swap_prefetch, info.device)
 
     # --- called by the front end -----------------------------------------------------------
 
@@ -293,6 +296,15 @@ class IterationLoop:
                 self.swapper.back(s)
             else:
                 s.admitted_step = self.step_id + 1  # the Step _send numbers next
+        if self.swapper.out or self.swapper.prefetched:
+            running = self.running.values()
+            # What the running batch leaves of the KV budget, less one Step's prompt
+            # tokens kept free for arrivals (FastServe keeps idle slots for them).
+            free = (self.kv_budget - self.max_num_batched_tokens
+                    - sum(s.reserved_tokens for s in running))
+            head = self.policy.order(self.waiting)[:slots_soon(running, self.max_batch)]
+            self.swapper.plan_prefetch(head, free, self.prefetch_limit, plan.swap_out)
+            plan.prefetch, plan.unprefetch = self.swapper.take_prefetches()
         return plan
 
     async def _send(self, plan: StepPlan, background: bool = False) -> None:

@@ -60,7 +60,8 @@ async def serve(cfg: ServingConfig, port_file: str | None,
                              enable_chunked_prefill=cfg.enable_chunked_prefill,
                              length_labels=cfg.length_probe_used,
                              step_send_lead_ms=cfg.step_send_lead_ms,
-                             preemption_mode=cfg.preemption_mode)
+                             preemption_mode=cfg.preemption_mode,
+                             swap_prefetch=cfg.swap_prefetch)
 
     # Made before the servers start so the admin API can register workers from the start.
     workers = WorkerPool(cfg.worker_addresses, make_client, make_loop, cfg.max_queue)

@@ -11,11 +11,14 @@ Swap: the worker copies the victim's KV to host memory and keeps its state
 (StepRequest.swap_out); its re-admission copies it back (swap_in) and it decodes on, so
 nothing is drawn again and a token in flight when it was stopped still counts. `Swapper`
 chooses per victim by option.preemption_mode and the costs the worker measured at start,
-and keeps account of the worker's swap space (docs/scheduling.md).
+and keeps account of the worker's swap space (docs/scheduling.md). It also chooses which
+swapped-out sequences the worker copies back to the device ahead of their re-admission
+(FastServe's proactive swapping, option.swap_prefetch).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from scheduler_service.admission import AdmissionPolicy, Budget, WaitingQueue
@@ -23,6 +26,32 @@ from scheduler_service.sequence import Sequence, Status
 from seqserve_common.decoding import DecodingStrategy
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
+
+# option.swap_prefetch = -1: swapped-out sequences kept on the device ahead of their turn
+# where the worker has an accelerator (its copies then overlap the Steps); none on CPU,
+# where the "device" is host memory and a copy ahead would only be a second copy.
+AUTO_PREFETCH = 2
+# How far ahead prefetching looks: a running sequence this many Steps or fewer from its
+# max_new_tokens frees its slot soon, and the waiting sequence that would take it has its
+# KV copied back now, beside the Steps until then (an EOS may free a slot sooner).
+PREFETCH_LOOKAHEAD_STEPS = 4
+
+
+def prefetch_limit(option: int, device: str) -> int:
+    """The number of swapped-out sequences to prefetch for option.swap_prefetch (-1: auto)
+    on a worker whose Info names `device`."""
+    if option >= 0:
+        return option
+    return 0 if device.split(":")[0] == "cpu" else AUTO_PREFETCH
+
+
+def slots_soon(running: Iterable[Sequence], max_batch: int) -> int:
+    """Batch slots free now or within PREFETCH_LOOKAHEAD_STEPS Steps, counting the running
+    sequences' tokens in flight and one more for the Step being planned."""
+    running = list(running)
+    ending = sum(s.params.max_new_tokens - s.generated - s.in_flight - 1
+                 <= PREFETCH_LOOKAHEAD_STEPS for s in running)
+    return max(0, max_batch - len(running)) + ending
 
 
 @dataclass(frozen=True)
@@ -57,6 +86,11 @@ class Swapper:
         self.held: dict[int, int] = {}  # seq id -> bytes of the swap space
         self.out: dict[int, Sequence] = {}
         self.pending: list[int] = []
+        # Swapped-out sequences with a device copy of their KV (as of the Steps sent and
+        # the next): seq id -> KV tokens it takes there, counted against the KV budget.
+        self.prefetched: dict[int, int] = {}
+        self.pending_prefetch: list[int] = []
+        self.pending_unprefetch: list[int] = []
 
     @staticmethod
     def kv_tokens(seq: Sequence) -> int:
@@ -100,25 +134,78 @@ class Swapper:
         pending, self.pending = self.pending, []
         return pending
 
+    @property
+    def prefetched_tokens(self) -> int:
+        return sum(self.prefetched.values())
+
+    def plan_prefetch(self, head: Iterable[Sequence], free_tokens: int, limit: int,
+                      exclude: Iterable[int] = ()) -> None:
+        """Keep on the device the KV of the swapped-out sequences among `head` (the waiting
+        ones admission would take next as slots free up soon, in its order), at most
+        `limit`, while they fit `free_tokens` together (the KV budget left after this
+        Step's admissions, less a reserve for arrivals), stopping at the first that does
+        not, as admission does; not those of `exclude` (swapped out by the Step being
+        planned). The worker starts the new ones' copies with that Step and frees those
+        no longer chosen first."""
+        want: dict[int, int] = {}
+        exclude = set(exclude)
+        if limit > 0 and self.out:
+            for seq in head:
+                if seq.seq_id not in self.out or seq.seq_id in exclude:
+                    continue
+                tokens = self.kv_tokens(seq)
+                if tokens > free_tokens:
+                    break
+                want[seq.seq_id] = tokens
+                free_tokens -= tokens
+                if len(want) == limit:
+                    break
+        for sid in [sid for sid in self.prefetched if sid not in want]:
+            del self.prefetched[sid]
+            self.pending_unprefetch.append(sid)
+        for sid, tokens in want.items():
+            if sid not in self.prefetched:
+                self.prefetched[sid] = tokens
+                self.pending_prefetch.append(sid)
+
+    def take_prefetches(self) -> tuple[list[int], list[int]]:
+        """The next Step's (prefetch, unprefetch)."""
+        taken = self.pending_prefetch, self.pending_unprefetch
+        self.pending_prefetch, self.pending_unprefetch = [], []
+        return taken
+
     def back(self, seq: Sequence) -> None:
-        """Swapped in again: it runs on with its tokens in flight."""
+        """Swapped in again: it runs on with its tokens in flight (from its device copy,
+        where it was prefetched)."""
         seq.swapped = False
         self.out.pop(seq.seq_id, None)
         self.held.pop(seq.seq_id, None)
+        self._unlist(seq.seq_id)
 
     def drop(self, seq: Sequence) -> None:
         """No longer swapped out on this worker: it ended, moves to another worker, or the
         worker lost its KV. Its tokens in flight will not count (the caller releases it
-        from the worker where that still holds it)."""
+        from the worker where that still holds it, which frees any device copy too)."""
         self.back(seq)
         seq.in_flight = 0
         if seq.seq_id in self.pending:
             self.pending.remove(seq.seq_id)
 
+    def _unlist(self, seq_id: int) -> None:
+        """Forget `seq_id`'s device copy: the worker uses it up (swap_in) or frees it with
+        the sequence (release), so no unprefetch goes out for it either."""
+        self.prefetched.pop(seq_id, None)
+        for pending in (self.pending_prefetch, self.pending_unprefetch):
+            if seq_id in pending:
+                pending.remove(seq_id)
+
     def forget(self) -> None:
         """The worker failed: every swapped-out sequence is prefilled again."""
         for seq in list(self.out.values()):
             self.drop(seq)
+        self.prefetched.clear()
+        self.pending_prefetch.clear()
+        self.pending_unprefetch.clear()
 
 
 def take_off_worker(seqs: list[Sequence]) -> None:

@@ -133,7 +133,8 @@ def encode_step(step_id: int, plan: StepPlan) -> worker_pb2.StepRequest:
     new = {s.seq_id for s in plan.prefill}
     return worker_pb2.StepRequest(
         step_id=step_id, release=plan.release, prefill=prefill,
-        swap_out=plan.swap_out, swap_in=plan.swap_in,
+        swap_out=plan.swap_out, swap_in=plan.swap_in, prefetch=plan.prefetch,
+        unprefetch=plan.unprefetch,
         groups=[worker_pb2.Group(sequence_ids=g) for g in plan.groups],
         chunks=[worker_pb2.PrefillChunk(sequence_id=sid, end=c.end)
                 for sid, c in plan.chunks.items() if sid not in new],

@@ -176,6 +176,10 @@ OPTIONS: tuple[Option, ...] = (
            help="how a preempted sequence comes back: auto swaps its KV to the worker's host "
                 "memory where that costs less than re-prefilling it (both measured by the "
                 "worker at start), swap whenever the swap space has room, recompute never"),
+    Option("swap_prefetch", int, "an integer >= -1", lambda v: v >= -1,
+           "swapped-out sequences whose KV the worker copies back to the device ahead of "
+           "their turn, most urgent first (FastServe's proactive swapping; -1: 2 on an "
+           "accelerator, 0 on CPU; 0: off)"),
     Option("drain_timeout", ov.finite_float, "a number of seconds >= 0", lambda v: v >= 0,
            "on SIGTERM, how long running requests may take to finish before exit"),
     Option("worker_timeout", ov.finite_float, "a number of seconds > 0", lambda v: v > 0,
@@ -265,6 +269,7 @@ class ServingConfig:
     prompt_cache_block_tokens: int = 16
     swap_space_bytes: int = -1
     preemption_mode: str = "auto"
+    swap_prefetch: int = -1
     drain_timeout: float = 30.0
     worker_timeout: float = 60.0
     tls_cert_file: str = ""

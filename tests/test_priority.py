@@ -32,12 +32,14 @@ def _steps(d) -> float:
 @pytest.mark.parametrize("policy", [{"scheduling_policy": "priority"},
                                     {"scheduling_policy": "mlfq", "mlfq_quantum_steps": 2}],
                          ids=["priority", "mlfq"])
-# swap: the victims' KV goes to the worker's host memory and back (kv_swap.py).
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+# swap: the victims' KV goes to the worker's host memory and back (kv_swap.py); prefetch:
+# and is copied back ahead of the Step that re-admits them (on CPU only when asked).
+@pytest.mark.parametrize("mode", ["recompute", "swap", "prefetch"])
 def test_urgent_request_preempts_a_full_batch(llama_dir, deploy, policy, mode):
-    worker_options = {"swap_space_bytes": 64 << 20} if mode == "swap" else {}
-    d = deploy(llama_dir, worker_options, max_rolling_batch_size=2, preemption_mode=mode,
-               **policy)
+    worker_options = {"swap_space_bytes": 64 << 20} if mode != "recompute" else {}
+    d = deploy(llama_dir, worker_options, max_rolling_batch_size=2,
+               preemption_mode="swap" if mode == "prefetch" else mode,
+               swap_prefetch=2 if mode == "prefetch" else -1, **policy)
     tok = AutoTokenizer.from_pretrained(llama_dir)
     rng = random.Random(3)
     greedy_prompt = reference.prompt_of_tokens(tok, 40, rng)
@@ -86,7 +88,9 @@ def test_urgent_request_preempts_a_full_batch(llama_dir, deploy, policy, mode):
     metrics = scrape(d.metrics_url)
     assert metrics["seqserve_num_preemptions_total"] >= 1
     swapped = metrics["seqserve_num_swapped_preemptions_total"]
-    assert swapped >= 1 if mode == "swap" else swapped == 0
+    assert swapped >= 1 if mode != "recompute" else swapped == 0
+    hits = scrape(d.worker_metrics_url)["seqserve_worker_prefetched_swap_ins_total"]
+    assert hits >= 1 if mode == "prefetch" else hits == 0  # CPU: none unless asked
     assert urgent_ids == reference.greedy(llama_dir, urgent_prompt, 6)
     assert reference.same_until_eos(greedy_ids, reference.greedy(llama_dir, greedy_prompt, 60),
                                      tok.eos_token_id)

@@ -138,13 +138,16 @@ class Engine:
     def step(self, release: list[int], prefill: list[PrefillSpec],
              plan: list[list[int]], chunks: dict[int, int] | None = None,
              finished: list[tuple[int, int, bool]] | None = None,
-             swap_out: list[int] | None = None, swap_in: list[int] | None = None
+             swap_out: list[int] | None = None, swap_in: list[int] | None = None,
+             prefetch: list[int] | None = None, unprefetch: list[int] | None = None
              ) -> StepResult:
         """`chunks`: sequence id -> prefill through token_ids[:end], for sequences created
         partly prefilled (PrefillSpec.prefill_end) in an earlier step. `finished`: (id,
         tokens generated, exact) of sequences that ended, for the length probe.
         `swap_out`: sequences whose KV goes to host memory after the release, `swap_in`:
-        swapped-out ones that run again (kv_swap.py)."""
+        swapped-out ones that run again, `prefetch` and `unprefetch`: swapped-out ones
+        whose KV is copied back to the device ahead of their swap_in, or no longer
+        (kv_swap.py)."""
         t0 = time.perf_counter()
         result = StepResult()
         probe = self.length_probe
@@ -157,7 +160,12 @@ class Engine:
         plan = self.beams.expand_plan(plan)  # a beam request's rows beside it
         for sid in swap_out or ():
             kv_swap.swap_out(self, sid)
-        restored = {sid: kv_swap.swap_in(self, sid) for sid in swap_in or ()}
+        restored = {}
+        for sid in swap_in or ():
+            restored[sid], was_prefetched = kv_swap.swap_in(self, sid)
+            result.prefetched_swap_ins += was_prefetched
+        if prefetch or unprefetch:
+            kv_swap.prefetch(self, prefetch or [], unprefetch or [])
         new_ids = set(restored) | step_checks.new_sequences(prefill, self.sequences,
                                                             self.swap or ())
         chunks = chunks or {}
@@ -182,6 +190,7 @@ class Engine:
         result.kv_allocated_bytes = self.allocated_bytes()
         if self.swap is not None:
             result.swapped_sequences, result.swap_bytes = len(self.swap), self.swap.used_bytes
+            result.prefetched_sequences = self.swap.prefetched
         if self.arena is not None:
             result.arena_stats = (self.arena.compactions, self.arena.misses)
         pc = self.prefix_cache

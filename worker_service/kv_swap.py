@@ -5,7 +5,10 @@ is prefilled again later) or swaps it out (StepRequest.swap_out): the worker cop
 row's KV to host memory, keeps the sequence's state (its tokens and the next input) here,
 and frees the row; `swap_in` copies it back into a group and the sequence decodes on. The
 scheduler chooses per victim from what this module measures at start: the copy rate
-between the device and host memory, and the prefill rate (docs/scheduling.md).
+between the device and host memory, and the prefill rate (docs/scheduling.md). It may
+also name a swapped-out sequence it expects to run again soon in `prefetch`: its KV is
+copied back to the device ahead of its swap_in, on a side stream on a GPU, so that the
+Step that re-admits it does not wait for the copy (FastServe's proactive swapping).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def swap_space(option_bytes: int, device: torch.device) -> SwapSpace | None:
     """The worker's swap space for option.swap_space_bytes (None where it is 0): pinned
     host memory where the device is a GPU."""
     capacity = swap_capacity(option_bytes, device)
-    return SwapSpace(capacity, pinned=device.type == "cuda") if capacity else None
+    return SwapSpace(capacity, pinned=device.type == "cuda", device=device) if capacity else None
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,10 @@ class Swapped:
     offset: int
     nbytes: int
     shape: KVShape
+    # A copy of `kv` on the device, made ahead of its swap_in (prefetch), and on a GPU the
+    # event its side-stream copy records when done.
+    device_kv: DetachedKV | None = None
+    ready: torch.cuda.Event | None = None
 
 
 class SwapSpace:
@@ -79,9 +86,12 @@ class SwapSpace:
     when closing holes, which waits for the device first, and a freed extent is written
     again only by a later copy on the same stream."""
 
-    def __init__(self, capacity_bytes: int, pinned: bool = False):
+    def __init__(self, capacity_bytes: int, pinned: bool = False,
+                 device: torch.device = torch.device("cpu")):
         self.capacity_bytes = capacity_bytes
         self.pinned = pinned
+        self.device = device  # where prefetched copies go
+        self._stream: torch.cuda.Stream | None = None  # prefetches' side stream (GPU)
         # Pages are mapped when first written (pinned ones at once, as the driver does).
         self.buffer = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pinned)
         self._held: dict[int, Swapped] = {}
@@ -113,10 +123,54 @@ class SwapSpace:
 
     def take(self, seq_id: int) -> Swapped:
         """Hand back a sequence; its KV stays readable until the next `store` (which
-        queues behind the copy that reads it)."""
+        queues behind the copy that reads it, a prefetch's included)."""
         entry = self._held.pop(seq_id)
+        self._await_prefetch(entry)
         self.used_bytes -= entry.nbytes
         return entry
+
+    @property
+    def prefetched(self) -> int:
+        """Sequences whose KV has a copy on the device."""
+        return sum(e.device_kv is not None for e in self._held.values())
+
+    def prefetch(self, seq_id: int) -> None:
+        """Start copying a sequence's KV to the device (a second copy: the host one stays
+        until `take`). On a GPU the copy runs on a side stream, after what the device's
+        stream has queued so far (the swap-out that filled the host copy, say), beside the
+        Step's own work."""
+        entry = self._held[seq_id]
+        if entry.device_kv is not None:
+            return
+        buffer = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)
+        kv = DetachedKV.carve(buffer, entry.shape, entry.kv.slots)
+        if self.device.type == "cuda":
+            # Allocated on the device's stream, which waits for the copy's event before it
+            # reads the copy or frees it (_await_prefetch): no cross-stream reuse.
+            self._stream = self._stream or torch.cuda.Stream(self.device)
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                for dst, src in zip(kv.tensors(), entry.kv.tensors()):
+                    dst.copy_(src, non_blocking=True)
+                entry.ready = torch.cuda.Event()
+                entry.ready.record(self._stream)
+        else:
+            for dst, src in zip(kv.tensors(), entry.kv.tensors()):
+                dst.copy_(src)
+        entry.device_kv = kv
+
+    def unprefetch(self, seq_id: int) -> None:
+        """Free a sequence's device copy; it stays swapped out in host memory."""
+        entry = self._held[seq_id]
+        self._await_prefetch(entry)
+        entry.device_kv = None
+
+    def _await_prefetch(self, entry: Swapped) -> None:
+        """Order the device's stream after `entry`'s prefetch copy: whatever it queues
+        next (reading the copy, freeing it, or writing the host extent again) comes after."""
+        if entry.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(entry.ready)
+            entry.ready = None
 
     def drop(self, seq_id: int) -> bool:
         """Forget a swapped-out sequence (it ended or was cancelled while out)."""
@@ -126,6 +180,8 @@ class SwapSpace:
         return True
 
     def clear(self) -> None:
+        for entry in self._held.values():
+            self._await_prefetch(entry)
         self._held.clear()
         self.used_bytes = 0
 
@@ -184,8 +240,9 @@ def swap_out(engine: Engine, seq_id: int) -> None:
     group.remove_row(row)
 
 
-def swap_in(engine: Engine, seq_id: int) -> DetachedKV:
-    """Make a swapped-out sequence live again; returns its KV for `_regroup` to place."""
+def swap_in(engine: Engine, seq_id: int) -> tuple[DetachedKV, bool]:
+    """Make a swapped-out sequence live again; returns its KV for `_regroup` to place (the
+    device copy where it was prefetched), and whether it was."""
     if engine.swap is None or seq_id not in engine.swap:
         raise StepError(f"swap_in of sequence {seq_id}, which this worker does not hold "
                         "swapped out; re-admit it by prefill")
@@ -193,7 +250,23 @@ def swap_in(engine: Engine, seq_id: int) -> DetachedKV:
         raise StepError(f"sequence {seq_id} is swapped in and running at once")
     entry = engine.swap.take(seq_id)
     engine.sequences[seq_id] = entry.seq
-    return entry.kv
+    if entry.device_kv is not None:
+        return entry.device_kv, True
+    return entry.kv, False
+
+
+def prefetch(engine: Engine, prefetch_ids: list[int], unprefetch_ids: list[int]) -> None:
+    """Free the device copies of `unprefetch_ids`, then start those of `prefetch_ids`
+    (StepRequest.unprefetch, prefetch)."""
+    for name, ids in (("unprefetch", unprefetch_ids), ("prefetch", prefetch_ids)):
+        for sid in ids:
+            if engine.swap is None or sid not in engine.swap:
+                raise StepError(f"{name} of sequence {sid}, which this worker does not hold "
+                                "swapped out")
+    for sid in unprefetch_ids:
+        engine.swap.unprefetch(sid)
+    for sid in prefetch_ids:
+        engine.swap.prefetch(sid)
 
 
 def _sync(device: torch.device) -> None:

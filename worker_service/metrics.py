@@ -47,6 +47,12 @@ class WorkerMetrics:
                              "Sequences swapped out to host memory", registry=r)
         self.swap_bytes = Gauge("seqserve_worker_swap_bytes",
                                 "Bytes of KV the swap space holds", registry=r)
+        self.prefetched = Gauge("seqserve_worker_prefetched_sequences",
+                                "Swapped-out sequences whose KV has been copied back to the "
+                                "device ahead of their swap-in", registry=r)
+        self.prefetched_swap_ins = Counter(
+            "seqserve_worker_prefetched_swap_ins_total",
+            "Swap-ins whose KV was on the device already (prefetched)", registry=r)
         self._last_stats = None
         self.kv_allocated = Gauge("seqserve_worker_kv_allocated_bytes",
                                   "Bytes allocated for group KV buffers", registry=r)
@@ -60,7 +66,8 @@ class WorkerMetrics:
 
     def dropped_all(self) -> None:
         """The engine dropped every sequence (a Reset, or the lease ran out)."""
-        for gauge in (self.sequences, self.kv_tokens, self.swapped, self.swap_bytes):
+        for gauge in (self.sequences, self.kv_tokens, self.swapped, self.swap_bytes,
+                      self.prefetched):
             gauge.set(0)
 
     def observe_step(self, result, num_groups: int) -> None:
@@ -79,6 +86,8 @@ class WorkerMetrics:
         self.kv_allocated.set(result.kv_allocated_bytes)
         self.swapped.set(result.swapped_sequences)
         self.swap_bytes.set(result.swap_bytes)
+        self.prefetched.set(result.prefetched_sequences)
+        self.prefetched_swap_ins.inc(result.prefetched_swap_ins)
         if result.arena_stats is not None:
             # The arena lives as long as the worker: its counts only grow.
             self.arena_compactions.inc(result.arena_stats[0] - self._last_arena[0])

@@ -207,7 +207,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return failed
         finished = [(f.sequence_id, f.generated_tokens, f.exact) for f in request.finished]
         return self._compute.submit(engine.step, list(request.release), prefill, plan, chunks,
-                                    finished, list(request.swap_out), list(request.swap_in))
+                                    finished, list(request.swap_out), list(request.swap_in),
+                                    list(request.prefetch), list(request.unprefetch))
 
     def _response(self, request, result: StepResult) -> worker_pb2.StepResponse:
         if self.metrics is not None:

@@ -70,6 +70,8 @@ class StepResult:
     prefix_stats: tuple[int, int, int, int] | None = None  # queries, hits, hit tokens, evictions
     swapped_sequences: int = 0
     swap_bytes: int = 0
+    prefetched_sequences: int = 0  # swapped-out sequences with a device copy of their KV
+    prefetched_swap_ins: int = 0  # this Step's swap_ins whose KV was prefetched
     arena_stats: tuple[int, int] | None = None  # the KV arena's compactions, misses (so far)
 
 

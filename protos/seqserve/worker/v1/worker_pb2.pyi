@@ -129,7 +129,7 @@ class Group(_message.Message):
     def __init__(self, sequence_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "release", "prefill", "groups", "chunks", "finished", "swap_out", "swap_in")
+    __slots__ = ("step_id", "release", "prefill", "groups", "chunks", "finished", "swap_out", "swap_in", "prefetch", "unprefetch")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,8 @@ class StepRequest(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    UNPREFETCH_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     release: _containers.RepeatedScalarFieldContainer[int]
     prefill: _containers.RepeatedCompositeFieldContainer[NewSequence]
@@ -146,7 +148,9 @@ class StepRequest(_message.Message):
     finished: _containers.RepeatedCompositeFieldContainer[FinishedSequence]
     swap_out: _containers.RepeatedScalarFieldContainer[int]
     swap_in: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., release: _Optional[_Iterable[int]] = ..., prefill: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., finished: _Optional[_Iterable[_Union[FinishedSequence, _Mapping]]] = ..., swap_out: _Optional[_Iterable[int]] = ..., swap_in: _Optional[_Iterable[int]] = ...) -> None: ...
+    prefetch: _containers.RepeatedScalarFieldContainer[int]
+    unprefetch: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., release: _Optional[_Iterable[int]] = ..., prefill: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., finished: _Optional[_Iterable[_Union[FinishedSequence, _Mapping]]] = ..., swap_out: _Optional[_Iterable[int]] = ..., swap_in: _Optional[_Iterable[int]] = ..., prefetch: _Optional[_Iterable[int]] = ..., unprefetch: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FinishedSequence(_message.Message):
     __slots__ = ("sequence_id", "generated_tokens", "exact")
