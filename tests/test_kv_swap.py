@@ -70,7 +70,7 @@ def test_the_swap_space_fills_holes_first_then_closes_them(dims):
     space.take(1)
     space.take(2)  # one hole of 20 slots between rows 0 and 3
     space.store(_state(7), long, 0)
-    assert space.compactions == 0 and space._held[7].offset == 10 * per_token
+    assert space.compactions == 0 and space._held[7].extent.offset == 10 * per_token
     space.take(0)
     space.take(3)  # 20 slots free: 0-9 and 30-39
     with pytest.raises(ValueError, match="do not fit"):
@@ -108,7 +108,8 @@ def test_the_swap_space_stays_exact_under_random_swaps():
             continue
         space.store(_state(seq_id), groups[n][0], row)
         held[seq_id] = (n, row)
-        spans = sorted((e.offset, e.offset + e.nbytes) for e in space._held.values())
+        spans = sorted((e.extent.offset, e.extent.offset + e.extent.nbytes)
+                       for e in space._held.values())
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
         assert spans[-1][1] <= space.capacity_bytes
         assert space.used_bytes == sum(n for n, _ in held.values()) * per_token

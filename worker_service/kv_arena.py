@@ -10,8 +10,10 @@ start, as vLLM's CPU backend allocates its KV space at start, and the prefix cac
 the heap to itself. Each buffer takes one extent, first fit; where no hole is long enough
 but the free bytes are, the held extents are moved down to close the holes (as the swap
 space does), and only a buffer larger than the free bytes comes from the heap instead
-(still correct, only slower; the first such miss is logged). Only the CPU worker has one: on a GPU torch's caching allocator keeps freed
-device memory for reuse already.
+(still correct, only slower; the first such miss is logged). Only the CPU worker has one
+for its groups: on a GPU torch's caching allocator keeps freed device memory for reuse
+already. The swap space (kv_swap.py) keeps its host copies in an arena of its own, pinned
+on a GPU.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import gc
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -44,17 +46,23 @@ class Extent:
     arena calls after moving them). The arena changes `offset` when it closes holes."""
 
     offset: int
-    nbytes: int  # a multiple of ALIGN
+    nbytes: int  # a multiple of the arena's align
     owner: weakref.ref | None = None
 
 
 class KVArena:
-    """`capacity_bytes` of host memory carved into extents for group buffers."""
+    """`capacity_bytes` of host memory carved into extents, each a multiple of `align`
+    bytes long. `prefault`: write every page now, at start, so that none faults later;
+    `pinned`: page-locked for a GPU's copies (the driver maps it at once). `before_move`
+    runs before held extents move (to wait for device copies queued on them)."""
 
-    def __init__(self, capacity_bytes: int):
-        self.capacity_bytes = max(0, capacity_bytes - capacity_bytes % ALIGN)
-        # zeros, not empty: writing every page maps the whole region now, at start.
-        self.buffer = torch.zeros(self.capacity_bytes, dtype=torch.uint8)
+    def __init__(self, capacity_bytes: int, align: int = ALIGN, prefault: bool = True,
+                 pinned: bool = False, before_move: Callable[[], None] | None = None):
+        self.align = align
+        self.capacity_bytes = max(0, capacity_bytes - capacity_bytes % align)
+        self.before_move = before_move
+        alloc = torch.zeros if prefault and not pinned else torch.empty
+        self.buffer = alloc(self.capacity_bytes, dtype=torch.uint8, pin_memory=pinned)
         # The holes, as (offset, length), sorted by offset; neighbours are always merged.
         self._holes: list[tuple[int, int]] = [(0, self.capacity_bytes)] if self.capacity_bytes else []
         self._held: set[Extent] = set()
@@ -78,14 +86,14 @@ class KVArena:
         """A new extent of `nbytes`: the first hole that fits; where none does but the
         free bytes would, the held extents are moved down first (their owners re-make
         their views). None where the free bytes are too few."""
-        size = _aligned(nbytes)
+        size = max(self.align, -(-nbytes // self.align) * self.align)
         self._give_returned()
         if not any(length >= size for _, length in self._holes):
             if sum(length for _, length in self._holes) < size:
                 self.misses += 1
                 if self.misses == 1:
-                    logger.info("KV arena: a %d-byte group buffer does not fit (%d of %d bytes "
-                                "in use); such buffers come from the heap, slower to map",
+                    logger.info("KV arena: a %d-byte buffer does not fit (%d of %d bytes in "
+                                "use); group buffers then come from the heap, slower to map",
                                 nbytes, self.used_bytes, self.capacity_bytes)
                 return None
             self._compact()
@@ -144,6 +152,8 @@ class KVArena:
         self.compactions += 1
         logger.debug("KV arena: closing %d holes (%d of %d bytes in use)", len(self._holes),
                       self.used_bytes, self.capacity_bytes)
+        if self.before_move is not None:
+            self.before_move()
         base = self.buffer.data_ptr()
         paused = gc.isenabled()
         gc.disable()
@@ -169,6 +179,3 @@ def kv_arena(capacity_bytes: int, device: torch.device) -> KVArena | None:
     """The worker's arena for option.kv_cache_bytes: on CPU only (see above)."""
     return KVArena(capacity_bytes) if device.type == "cpu" else None
 
-
-def _aligned(nbytes: int) -> int:
-    return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)

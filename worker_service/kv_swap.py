@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from worker_service.kv_arena import Extent, KVArena
 from worker_service.kv_groups import DetachedKV, KVGroup, KVShape
 from worker_service.sequence import SequenceState
 from worker_service.step import StepError
@@ -56,18 +57,27 @@ class SwapRates:
 
 @dataclass
 class Swapped:
-    """A swapped-out sequence: its worker state, and its KV in the swap space's buffer at
-    bytes [offset, offset + nbytes)."""
+    """A swapped-out sequence: its worker state, and its KV (`slots` tokens) in an extent
+    of the swap space's arena."""
 
     seq: SequenceState
-    kv: DetachedKV
-    offset: int
-    nbytes: int
+    slots: int
     shape: KVShape
+    arena: KVArena = field(repr=False)
+    extent: Extent | None = None  # set once taken (the arena needs its owner first)
     # A copy of `kv` on the device, made ahead of its swap_in (prefetch), and on a GPU the
     # event its side-stream copy records when done.
     device_kv: DetachedKV | None = None
     ready: torch.cuda.Event | None = None
+
+    @property
+    def kv(self) -> DetachedKV:
+        """Its KV in the swap space, as views made at each use: where the arena has moved
+        the extent since, they follow it."""
+        return DetachedKV.carve(self.arena.view(self.extent), self.shape, self.slots)
+
+    def rebind(self) -> None:
+        """Nothing to re-make when the arena moves the extent: `kv` is made at each use."""
 
 
 class SwapSpace:
@@ -77,9 +87,10 @@ class SwapSpace:
     DMA, without holding the host: vLLM's swap space is pinned too). torch's pinned-memory
     cache rounds each allocation up to a power of two and keeps what is freed, so pinning
     every swap on its own could hold up to twice the space; one buffer is rounded once.
-    Each swapped row takes one extent of it, first fit; where no hole is long enough but
-    the free bytes are, the extents are moved down to close the holes. So the byte account
-    the scheduler keeps (slots x bytes per token, no padding) is the only limit.
+    Each swapped row takes one extent of it (a KVArena: first fit; where no hole is long
+    enough but the free bytes are, the extents are moved down to close the holes), to the
+    byte: so the byte account the scheduler keeps (slots x bytes per token, no padding) is
+    the only limit.
 
     Copies into and out of the buffer are queued on the device's stream without waiting
     (non_blocking). That is safe because the host never touches the buffer's bytes except
@@ -88,15 +99,25 @@ class SwapSpace:
 
     def __init__(self, capacity_bytes: int, pinned: bool = False,
                  device: torch.device = torch.device("cpu")):
-        self.capacity_bytes = capacity_bytes
         self.pinned = pinned
         self.device = device  # where prefetched copies go
         self._stream: torch.cuda.Stream | None = None  # prefetches' side stream (GPU)
-        # Pages are mapped when first written (pinned ones at once, as the driver does).
-        self.buffer = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pinned)
+        # Extents to the byte (each row's bytes are a multiple of its dtype's size, so every
+        # offset is too); pages mapped when first written (pinned: at once, by the driver).
+        self.arena = KVArena(capacity_bytes, align=1, prefault=False, pinned=pinned,
+                             before_move=torch.cuda.synchronize if pinned else None)
+        self.capacity_bytes = self.arena.capacity_bytes
+        self.buffer = self.arena.buffer
         self._held: dict[int, Swapped] = {}
-        self.used_bytes = 0
-        self.compactions = 0  # times holes were closed (tests read it)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.arena.used_bytes
+
+    @property
+    def compactions(self) -> int:
+        """Times the holes were closed (tests read it)."""
+        return self.arena.compactions
 
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._held
@@ -115,18 +136,17 @@ class SwapSpace:
             raise ValueError(f"{nbytes} bytes do not fit the swap space "
                              f"({self.capacity_bytes - self.used_bytes} of "
                              f"{self.capacity_bytes} left)")
-        offset = self._place(nbytes)
-        kv = DetachedKV.carve(self.buffer[offset:offset + nbytes], group.shape, slots)
-        group.copy_out_into(row, kv, non_blocking=self.pinned)
-        self._held[seq.seq_id] = Swapped(seq, kv, offset, nbytes, group.shape)
-        self.used_bytes += nbytes
+        entry = Swapped(seq, slots, group.shape, self.arena)
+        entry.extent = self.arena.take(nbytes, owner=entry)
+        group.copy_out_into(row, entry.kv, non_blocking=self.pinned)
+        self._held[seq.seq_id] = entry
 
     def take(self, seq_id: int) -> Swapped:
         """Hand back a sequence; its KV stays readable until the next `store` (which
         queues behind the copy that reads it, a prefetch's included)."""
         entry = self._held.pop(seq_id)
         self._await_prefetch(entry)
-        self.used_bytes -= entry.nbytes
+        self.arena.give(entry.extent)
         return entry
 
     @property
@@ -142,8 +162,8 @@ class SwapSpace:
         entry = self._held[seq_id]
         if entry.device_kv is not None:
             return
-        buffer = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)
-        kv = DetachedKV.carve(buffer, entry.shape, entry.kv.slots)
+        buffer = torch.empty(entry.extent.nbytes, dtype=torch.uint8, device=self.device)
+        kv = DetachedKV.carve(buffer, entry.shape, entry.slots)
         if self.device.type == "cuda":
             # Allocated on the device's stream, which waits for the copy's event before it
             # reads the copy or frees it (_await_prefetch): no cross-stream reuse.
@@ -180,40 +200,8 @@ class SwapSpace:
         return True
 
     def clear(self) -> None:
-        for entry in self._held.values():
-            self._await_prefetch(entry)
-        self._held.clear()
-        self.used_bytes = 0
-
-    def _place(self, nbytes: int) -> int:
-        """The offset of the first hole of `nbytes`, closing the holes if none is."""
-        at = 0
-        for entry in sorted(self._held.values(), key=lambda e: e.offset):
-            if entry.offset - at >= nbytes:
-                return at
-            at = entry.offset + entry.nbytes
-        if self.capacity_bytes - at >= nbytes:
-            return at
-        return self._compact()
-
-    def _compact(self) -> int:
-        """Move every extent down against the one before it; returns where the free
-        bytes now start."""
-        if self.pinned:
-            torch.cuda.synchronize()  # queued copies may still read or write the buffer
-        self.compactions += 1
-        at = 0
-        for entry in sorted(self._held.values(), key=lambda e: e.offset):
-            if entry.offset != at:
-                src = self.buffer[entry.offset:entry.offset + entry.nbytes]
-                if entry.offset - at < entry.nbytes:
-                    src = src.clone()  # overlapping ranges: copy_ refuses them
-                self.buffer[at:at + entry.nbytes].copy_(src)
-                entry.offset = at
-                entry.kv = DetachedKV.carve(self.buffer[at:at + entry.nbytes], entry.shape,
-                                            entry.kv.slots)
-            at += entry.nbytes
-        return at
+        for seq_id in list(self._held):
+            self.take(seq_id)
 
 
 def swap_out(engine: Engine, seq_id: int) -> None:
