@@ -3,8 +3,9 @@
 # docs/benchmarks.md, "On a GPU"):
 #   tests: the test suite (or $TESTS) with every worker on cuda (option.device=auto);
 #   swap:  what a preempted sequence costs to bring back, recompute against KV swap;
-#   preempt: the real processes on cuda preempting by recompute and by swap into the
-#          pinned swap buffer (`bench.preemption_ab`), greedy outputs compared;
+#   preempt: the real processes on cuda preempting by recompute, by swap into the
+#          pinned swap buffer, and by swap with the victims' KV prefetched on a side
+#          stream (`bench.preemption_ab`), greedy outputs compared;
 #   step:  the worker's packed step in process on cuda, with and without cuDNN's SDPA
 #          (`bench.worker_step --device cuda --grow`; STEP_PROFILE=N adds torch.profiler's
 #          top N operators and host time against kernel time);
@@ -106,7 +107,8 @@ for step in $STEPS; do
     done
     ;;
   preempt)
-    python3 -m bench.preemption_ab "$(smollm2_shape)" >"$OUT/preempt.log" 2>&1
+    python3 -m bench.preemption_ab "$(smollm2_shape)" --modes recompute,swap,prefetch \
+      >"$OUT/preempt.log" 2>&1
     echo "preemption_ab exit $?"
     grep -E "^\||identical|KV copies" "$OUT/preempt.log" | cut -c1-200
     ;;

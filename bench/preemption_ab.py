@@ -1,12 +1,14 @@
 """Preemption by recompute against preemption by swap, through the real processes.
 
-`python -m bench.preemption_ab MODEL [--modes recompute,swap]` starts one deployment per
-mode (option.scheduling_policy=priority, a small batch limit, the worker with swap
-space), fills the batch with long low-priority requests and then sends urgent ones at a
+`python -m bench.preemption_ab MODEL [--modes recompute,swap,prefetch]` starts one
+deployment per mode (option.scheduling_policy=priority, a small batch limit, the worker
+with swap space; `prefetch` is swap with option.swap_prefetch=2, the victims about to run
+again copied back ahead of their turn), fills the batch with long low-priority requests and then sends urgent ones at a
 fixed gap, each of which preempts a running request. It reports per mode the wall time
 until everything ended, the low and urgent requests' TTFT and E2E, the preemptions (and
-how many swapped), and the prompt tokens the worker prefilled (recompute prefills each
-victim's prompt and output again); and it checks that every greedy output is the same in
+how many swapped, and of the swap-ins how many found their KV prefetched), and the prompt
+tokens the worker prefilled (recompute prefills each victim's prompt and output again);
+and it checks that every greedy output is the same in
 every mode.
 """
 
@@ -89,26 +91,32 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as work:
             d = Deployment(a.model, Path(work),
                            {"dtype": a.dtype, "scheduling_policy": "priority",
-                            "max_rolling_batch_size": a.slots, "preemption_mode": mode},
+                            "max_rolling_batch_size": a.slots,
+                            "preemption_mode": "swap" if mode == "prefetch" else mode,
+                            "swap_prefetch": 2 if mode == "prefetch" else -1},
                            {"swap_space_bytes": a.swap_space_bytes}).start()
             try:
                 wall, low, urgent = asyncio.run(_load(d.address, a, vocab))
                 m = scrape(d.metrics_url)
+                w = scrape(d.worker_metrics_url)
             finally:
                 d.stop()
         prefilled = m.get("seqserve_step_prefill_tokens_sum", 0)
         outputs[mode] = [r["ids"] for r in low + urgent]
         rows.append((mode, wall, _ms([r["ttft"] for r in urgent]), _ms([r["e2e"] for r in urgent]),
                      _ms([r["e2e"] for r in low]), m.get("seqserve_num_preemptions_total", 0),
-                     m.get("seqserve_num_swapped_preemptions_total", 0), prefilled))
+                     m.get("seqserve_num_swapped_preemptions_total", 0),
+                     w.get("seqserve_worker_prefetched_swap_ins_total", 0), prefilled))
     print(f"{a.model.name}: {a.low} low requests ({a.low_prompt}-token prompts, {a.low_new} "
           f"new) in {a.slots} slots, {a.urgent} urgent ({a.urgent_prompt}+{a.urgent_new}) "
           f"every {a.gap_s} s from {a.first_urgent_s} s")
     print("| mode | wall s | urgent TTFT ms mean / max | urgent E2E ms mean / max | "
-          "low E2E ms mean / max | preemptions | swapped | prompt tokens prefilled |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for mode, wall, ut, ue, le, pre, sw, pf in rows:
-        print(f"| {mode} | {wall:.2f} | {ut} | {ue} | {le} | {pre:g} | {sw:g} | {pf:g} |")
+          "low E2E ms mean / max | preemptions | swapped | prefetched swap-ins | "
+          "prompt tokens prefilled |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for mode, wall, ut, ue, le, pre, sw, hit, pf in rows:
+        print(f"| {mode} | {wall:.2f} | {ut} | {ue} | {le} | {pre:g} | {sw:g} | {hit:g} | "
+              f"{pf:g} |")
     first = next(iter(outputs.values()))
     same = all(o == first for o in outputs.values())
     print(f"greedy outputs identical across modes: {same}")
