@@ -48,17 +48,19 @@ class InProcessSteps:
         # What the scheduler counts as held once this Step's swap-outs and swap-ins ran.
         loop = self.worker.loop
         held = sum(loop.swapper.held.values())
-        self.sent.append((encode_step(step_id, plan), held))
+        self.sent.append((encode_step(step_id, plan), held, set(loop.swapper.prefetched)))
         # The scheduler's gauge, as of the last answer.
         self.worker.swapped_gauge.append(loop.metrics.swapped._value.get())
 
     async def receive(self):
         await asyncio.sleep(0)
         w = self.worker
-        request, held = self.sent.pop(0)
+        request, held, prefetched = self.sent.pop(0)
         result = w.servicer._submit(w.engine, request).result()
         answer = StepAnswer.from_proto(w.servicer._response(request, result))
         w.accounts.append((held, w.engine.swap.used_bytes))
+        w.prefetch_accounts.append((prefetched, {sid for sid, e in w.engine.swap._held.items()
+                                                 if e.device_kv is not None}))
         w.most_swapped = max(w.most_swapped, len(w.engine.swap))
         m = w.servicer.metrics
         assert (m.swap_bytes._value.get(), m.swapped._value.get()) == \
@@ -80,6 +82,8 @@ class InProcessWorker:
         self.info = WorkerInfo.from_proto(self.servicer.Info(None, None))
         self.loop: IterationLoop | None = None
         self.accounts: list[tuple[int, int]] = []  # (scheduler's, worker's) after each Step
+        # The same of the swapped-out sequences with a device copy (prefetched).
+        self.prefetch_accounts: list[tuple[set[int], set[int]]] = []
         self.most_swapped = 0
         self.swapped_gauge: list[float] = []  # seqserve_num_requests_swapped at each send
 
@@ -126,9 +130,10 @@ async def _preempt_both(loop: IterationLoop, tokenizer, prompts: list[list[int]]
     return low, urgent, task
 
 
-def _run(in_flight: int, swap_tokens: int, device: str = "cpu"):
+def _run(in_flight: int, swap_tokens: int, device: str = "cpu", prefetch: int = 0):
     """_preempt_both with 12-token low prompts (15 KV tokens or more when preempted), to
-    the end; the swap space holds `swap_tokens` tokens."""
+    the end; the swap space holds `swap_tokens` tokens; up to `prefetch` victims are
+    copied back ahead of their turn."""
     model_dir = tiny_model("llama")
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     worker = InProcessWorker(model_dir, 0, device)
@@ -140,6 +145,7 @@ def _run(in_flight: int, swap_tokens: int, device: str = "cpu"):
 
     async def run():
         loop = _loop(worker, in_flight)
+        loop.prefetch_limit = prefetch
         low, urgent, task = await _preempt_both(loop, tokenizer, prompts)
         for s in [*low, *urgent]:
             while not s.finished:

@@ -6,11 +6,7 @@ the real loop driving a real engine."""
 
 from __future__ import annotations
 
-import asyncio
-import random
-
 import pytest
-from transformers import AutoTokenizer
 
 from scheduler_service.params import DecodingConfig
 from scheduler_service.preemption import (AUTO_PREFETCH, PREFETCH_LOOKAHEAD_STEPS, SwapFacts,
@@ -20,7 +16,7 @@ from seqserve_common.decoding import DecodingStrategy
 from tests.conftest import tiny_model
 from tests.test_engine import _reference
 from tests.test_kv_swap import DEVICES, _engines, _prompts
-from tests.test_swap_account import InProcessWorker, _loop, _preempt_both
+from tests.test_swap_account import _run
 from worker_service.engine import StepError
 from worker_service.sequence import DecodingParams
 from worker_service.step import PrefillSpec
@@ -176,49 +172,10 @@ def test_the_loop_prefetches_the_victims_before_they_run_again():
     prefetch on: both victims' KV is copied back while the urgent requests finish, both
     swap-ins use those copies, after every Step the worker holds a device copy of exactly
     the sequences the scheduler counts as prefetched, and every output is generate's."""
-    model_dir = tiny_model("llama")
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    worker = InProcessWorker(model_dir, 1 << 30)
-    rng = random.Random(3)
-    prompts = [[rng.randint(3, 200) for _ in range(n)] for n in (12, 12, 5, 6)]
-    sent_prefetched: list[set[int]] = []
-    held: list[tuple[set[int], set[int]]] = []
-
-    async def run():
-        loop = _loop(worker, 2)
-        loop.prefetch_limit = 2
-        steps = worker.open_steps
-
-        def open_steps():
-            stream = steps()
-            send, receive = stream.send, stream.receive
-
-            async def sending(step_id, plan):
-                sent_prefetched.append(set(loop.swapper.prefetched))
-                await send(step_id, plan)
-
-            async def receiving():
-                answer = await receive()
-                on_worker = {sid for sid, e in worker.engine.swap._held.items()
-                             if e.device_kv is not None}
-                held.append((sent_prefetched.pop(0), on_worker))
-                return answer
-
-            stream.send, stream.receive = sending, receiving
-            return stream
-
-        worker.open_steps = open_steps
-        low, urgent, task = await _preempt_both(loop, tokenizer, prompts)
-        for s in [*low, *urgent]:
-            while not s.finished:
-                await asyncio.sleep(0.001)
-        loop.stop()
-        await task
-        return [*low, *urgent], loop
-
-    seqs, loop = asyncio.run(asyncio.wait_for(run(), 120))
+    model_dir, seqs, loop, worker = _run(2, swap_tokens=1000, prefetch=2)
     assert worker.most_swapped == 2
     assert worker.servicer.metrics.prefetched_swap_ins._value.get() == 2
+    held = worker.prefetch_accounts
     mismatched = [(i, h) for i, h in enumerate(held) if h[0] != h[1]]
     assert not mismatched, f"(Step, (scheduler's, worker's)): {mismatched}"
     # Copied back only once the urgent requests near their end, not through their 24
