@@ -296,7 +296,7 @@ class IterationLoop:
                 self.swapper.back(s)
             else:
                 s.admitted_step = self.step_id + 1  # the Step _send numbers next
-        if self.swapper.out or self.swapper.prefetched:
+        if (self.prefetch_limit and self.swapper.out) or self.swapper.prefetched:
             running = self.running.values()
             # What the running batch leaves of the KV budget, less one Step's prompt
             # tokens kept free for arrivals (FastServe keeps idle slots for them).

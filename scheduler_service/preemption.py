@@ -87,7 +87,9 @@ class Swapper:
         self.out: dict[int, Sequence] = {}
         self.pending: list[int] = []
         # Swapped-out sequences with a device copy of their KV (as of the Steps sent and
-        # the next): seq id -> KV tokens it takes there, counted against the KV budget.
+        # the next): seq id -> KV tokens it takes there. Admission may take their room
+        # (they are not in its budget); each plan then frees the copies that no longer
+        # fit what the running batch leaves.
         self.prefetched: dict[int, int] = {}
         self.pending_prefetch: list[int] = []
         self.pending_unprefetch: list[int] = []
@@ -133,10 +135,6 @@ class Swapper:
     def take_pending(self) -> list[int]:
         pending, self.pending = self.pending, []
         return pending
-
-    @property
-    def prefetched_tokens(self) -> int:
-        return sum(self.prefetched.values())
 
     def plan_prefetch(self, head: Iterable[Sequence], free_tokens: int, limit: int,
                       exclude: Iterable[int] = ()) -> None:

@@ -58,6 +58,7 @@ class InProcessSteps:
         request, held, prefetched = self.sent.pop(0)
         result = w.servicer._submit(w.engine, request).result()
         answer = StepAnswer.from_proto(w.servicer._response(request, result))
+        w.requests.append(request)
         w.accounts.append((held, w.engine.swap.used_bytes))
         w.prefetch_accounts.append((prefetched, {sid for sid, e in w.engine.swap._held.items()
                                                  if e.device_kv is not None}))
@@ -81,6 +82,7 @@ class InProcessWorker:
         self.servicer.attach(self.engine)
         self.info = WorkerInfo.from_proto(self.servicer.Info(None, None))
         self.loop: IterationLoop | None = None
+        self.requests: list = []  # the Steps run, as sent
         self.accounts: list[tuple[int, int]] = []  # (scheduler's, worker's) after each Step
         # The same of the swapped-out sequences with a device copy (prefetched).
         self.prefetch_accounts: list[tuple[set[int], set[int]]] = []
@@ -130,10 +132,12 @@ async def _preempt_both(loop: IterationLoop, tokenizer, prompts: list[list[int]]
     return low, urgent, task
 
 
-def _run(in_flight: int, swap_tokens: int, device: str = "cpu", prefetch: int = 0):
+def _run(in_flight: int, swap_tokens: int, device: str = "cpu", prefetch: int = 0,
+         kv_budget: int | None = None):
     """_preempt_both with 12-token low prompts (15 KV tokens or more when preempted), to
     the end; the swap space holds `swap_tokens` tokens; up to `prefetch` victims are
-    copied back ahead of their turn."""
+    copied back ahead of their turn; `kv_budget`: the scheduler's KV budget in tokens
+    (None: the worker's)."""
     model_dir = tiny_model("llama")
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     worker = InProcessWorker(model_dir, 0, device)
@@ -146,6 +150,8 @@ def _run(in_flight: int, swap_tokens: int, device: str = "cpu", prefetch: int = 
     async def run():
         loop = _loop(worker, in_flight)
         loop.prefetch_limit = prefetch
+        if kv_budget is not None:
+            loop.kv_budget = kv_budget
         low, urgent, task = await _preempt_both(loop, tokenizer, prompts)
         for s in [*low, *urgent]:
             while not s.finished:

@@ -7,6 +7,7 @@ the real loop driving a real engine."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from scheduler_service.params import DecodingConfig
 from scheduler_service.preemption import (AUTO_PREFETCH, PREFETCH_LOOKAHEAD_STEPS, SwapFacts,
@@ -62,7 +63,7 @@ def test_the_head_of_the_order_is_prefetched_while_it_fits():
     fresh = _seq(4, 30)  # not swapped: nothing to copy back, and it takes no place
     swapper.plan_prefetch([fresh, a, b, c], free_tokens=30, limit=2)
     assert swapper.take_prefetches() == ([1, 2], [])
-    assert swapper.prefetched == {1: 9, 2: 19} and swapper.prefetched_tokens == 28
+    assert swapper.prefetched == {1: 9, 2: 19}
     # The same choice again sends nothing; less room frees b and stops there, as
     # admission stops at the first that does not fit (c would fit, but comes after b).
     swapper.plan_prefetch([a, b, c], free_tokens=30, limit=2)
@@ -125,6 +126,8 @@ def _run_prefetched(engine, steps: int, out_at: int, prefetch_at: int, back_at: 
             # host copy instead would change the outputs.
             for entry in engine.swap._held.values():
                 if entry.device_kv is not None:
+                    if entry.ready is not None:
+                        torch.cuda.synchronize()  # the side stream's copy reads it
                     for t in entry.kv.tensors():
                         t.zero_()
         hits += result.prefetched_swap_ins
@@ -186,3 +189,24 @@ def test_the_loop_prefetches_the_victims_before_they_run_again():
     assert not loop.swapper.prefetched
     for s in seqs:
         assert s.output_ids == _reference(model_dir, s.prompt_ids, len(s.output_ids))
+
+
+def test_the_loop_prefetches_in_the_policys_order_within_the_budget():
+    """One copy ahead: the victim admission takes first (the two low requests tie on
+    priority, so the earlier one) is copied, not the other. With a KV budget that the
+    running requests' reservations and one Step's reserve fill, none is copied, and the
+    victims come back from host memory; outputs are generate's either way, and no Step
+    copies back a victim it swaps out."""
+    model_dir, seqs, loop, first = _run(2, swap_tokens=1000, prefetch=1)
+    chosen = [h[0] for h in first.prefetch_accounts if h[0]]
+    assert chosen[0] == {seqs[0].seq_id}, chosen
+    assert first.servicer.metrics.prefetched_swap_ins._value.get() == 2  # one at a time
+    # Room for the running reservations (2 x (12 + 24) tokens) and the 4096-token reserve
+    # for arrivals, none for a victim's 15 or more: nothing is copied ahead.
+    model_dir, tight, _, worker = _run(2, swap_tokens=1000, prefetch=2, kv_budget=4096 + 72)
+    assert worker.most_swapped == 2 and not any(h[0] for h in worker.prefetch_accounts)
+    assert worker.servicer.metrics.prefetched_swap_ins._value.get() == 0
+    for s in [*seqs, *tight]:
+        assert s.output_ids == _reference(model_dir, s.prompt_ids, len(s.output_ids))
+    for request in first.requests:
+        assert not set(request.swap_out) & set(request.prefetch)

@@ -138,7 +138,11 @@ class SwapSpace:
                              f"{self.capacity_bytes} left)")
         entry = Swapped(seq, slots, group.shape, self.arena)
         entry.extent = self.arena.take(nbytes, owner=entry)
-        group.copy_out_into(row, entry.kv, non_blocking=self.pinned)
+        try:
+            group.copy_out_into(row, entry.kv, non_blocking=self.pinned)
+        except BaseException:
+            self.arena.give(entry.extent)
+            raise
         self._held[seq.seq_id] = entry
 
     def take(self, seq_id: int) -> Swapped:
