@@ -13,8 +13,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, replace
-from functools import cached_property
+from dataclasses import replace
 from typing import Callable
 
 from scheduler_service.admission import AdmissionPolicy, Budget, FCFSAdmission, WaitingQueue
@@ -22,10 +21,10 @@ from scheduler_service.batch_plan import BatchPlanner, StepPlan
 from scheduler_service.chunking import Chunk, StepBudget
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.output import LOCAL
-from scheduler_service.preemption import Swapper, preempt, prefetch_limit, slots_soon
+from scheduler_service.preemption import Swapper, preempt, prefetch_limit
 from scheduler_service.recovery import recover
 from scheduler_service.sequence import FinishReason, Sequence, Status
-from scheduler_service.step_pacing import StepPacer, step_size
+from scheduler_service.step_pacing import SentStep, StepPacer
 from scheduler_service.worker_client import (
     StepFailed,
     StepStream,
@@ -35,21 +34,6 @@ from scheduler_service.worker_client import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _InFlight:
-    """A Step sent to the worker and not yet answered."""
-
-    plan: StepPlan
-    step_id: int
-    sent: float  # perf_counter when it was handed to the stream
-    plan_seconds: float
-    background: bool = False  # it pays chunks the policy capped (AdmissionPolicy.chunk_limit)
-
-    @cached_property
-    def size(self) -> tuple[int, int]:  # (rows, prompt tokens): what the pacer prices
-        return step_size(self.plan)
 
 
 class IterationLoop:
@@ -89,7 +73,7 @@ class IterationLoop:
         # the worker finds the next Step queued when it ends one, instead of idling for the
         # answer's round trip and the scheduler's bookkeeping.
         self.steps_in_flight = steps_in_flight
-        self._inflight: deque[_InFlight] = deque()
+        self._inflight: deque[SentStep] = deque()
         self._stream: StepStream | None = None
         self._last_answer = 0.0
         # A Step sent ahead waits until just before the worker should need it, so that
@@ -111,8 +95,9 @@ class IterationLoop:
         self.info = info
         self.eos_ids = info.eos_token_ids
         self.kv_budget = info.kv_capacity_tokens
-        self.swapper = Swapper(self.preemption_mode, info.swap)  # it holds no swapped KV
-        self.prefetch_limit = prefetch_limit(self.swap_prefetch, info.device)
+        # It holds no swapped KV yet.
+        self.swapper = Swapper(self.preemption_mode, info.swap,
+                               prefetch_limit(self.swap_prefetch, info.device))
 
     # --- called by the front end -----------------------------------------------------------
 
@@ -296,15 +281,11 @@ class IterationLoop:
                 self.swapper.back(s)
             else:
                 s.admitted_step = self.step_id + 1  # the Step _send numbers next
-        if (self.prefetch_limit and self.swapper.out) or self.swapper.prefetched:
-            running = self.running.values()
-            # What the running batch leaves of the KV budget, less one Step's prompt
-            # tokens kept free for arrivals (FastServe keeps idle slots for them).
-            free = (self.kv_budget - self.max_num_batched_tokens
-                    - sum(s.reserved_tokens for s in running))
-            head = self.policy.order(self.waiting)[:slots_soon(running, self.max_batch)]
-            self.swapper.plan_prefetch(head, free, self.prefetch_limit, plan.swap_out)
-            plan.prefetch, plan.unprefetch = self.swapper.take_prefetches()
+        # Victims about to run again get their KV copied back ahead, with one Step's
+        # prompt tokens of the budget kept free for arrivals (as FastServe keeps slots).
+        plan.prefetch, plan.unprefetch = self.swapper.prefetches(
+            lambda: self.policy.order(self.waiting), self.running.values(), self.max_batch,
+            self.kv_budget - self.max_num_batched_tokens, plan.swap_out)
         return plan
 
     async def _send(self, plan: StepPlan, background: bool = False) -> None:
@@ -316,7 +297,7 @@ class IterationLoop:
         if self._stream is None:
             self._stream = self.worker.open_steps()
         t1 = time.perf_counter()
-        self._inflight.append(_InFlight(plan, self.step_id, t1, t1 - t0, background))
+        self._inflight.append(SentStep(plan, self.step_id, t1, t1 - t0, background))
         await self._stream.send(self.step_id, plan)
 
     async def _receive(self) -> None:

@@ -18,7 +18,7 @@ swapped-out sequences the worker copies back to the device ahead of their re-adm
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from scheduler_service.admission import AdmissionPolicy, Budget, WaitingQueue
@@ -78,11 +78,12 @@ class Swapper:
     their tokens in flight still count), the worker's swap space they hold, and the
     swap-outs that go with the next Step."""
 
-    def __init__(self, mode: str, facts: SwapFacts):
+    def __init__(self, mode: str, facts: SwapFacts, prefetch_limit: int = 0):
         if mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption mode {mode!r}: choose one of {PREEMPTION_MODES}")
         self.mode = mode
         self.facts = facts
+        self.prefetch_limit = prefetch_limit  # swapped-out sequences copied back ahead
         self.held: dict[int, int] = {}  # seq id -> bytes of the swap space
         self.out: dict[int, Sequence] = {}
         self.pending: list[int] = []
@@ -165,6 +166,21 @@ class Swapper:
             if sid not in self.prefetched:
                 self.prefetched[sid] = tokens
                 self.pending_prefetch.append(sid)
+
+    def prefetches(self, order: Callable[[], list[Sequence]], running: Iterable[Sequence],
+                   max_batch: int, free_tokens: int, exclude: Iterable[int]
+                   ) -> tuple[list[int], list[int]]:
+        """The next Step's (prefetch, unprefetch): plan_prefetch over the waiting sequences
+        admission would take as slots free up soon (`order()`: the policy's order of the
+        waiting ones, asked only where something may be copied), within `free_tokens` (the
+        KV budget less a reserve for arrivals) less the running sequences' reservations."""
+        if not (self.prefetch_limit and self.out) and not self.prefetched:
+            return [], []
+        running = list(running)
+        free = free_tokens - sum(s.reserved_tokens for s in running)
+        self.plan_prefetch(order()[:slots_soon(running, max_batch)], free,
+                           self.prefetch_limit, exclude)
+        return self.take_prefetches()
 
     def take_prefetches(self) -> tuple[list[int], list[int]]:
         """The next Step's (prefetch, unprefetch)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 
 # Answered Steps the fit needs before it paces; until then each Step goes at once.
 MIN_SAMPLES = 8
@@ -33,6 +34,21 @@ def step_size(plan) -> tuple[int, int]:
     rows = sum(len(g) for g in plan.groups)
     tokens = plan.prefill_tokens if plan.chunks else sum(len(s.prompt_ids) for s in plan.prefill)
     return rows, tokens
+
+
+@dataclass
+class SentStep:
+    """A Step sent to the worker and not yet answered (a StepPlan as `plan`)."""
+
+    plan: object
+    step_id: int
+    sent: float  # perf_counter when it was handed to the stream
+    plan_seconds: float
+    background: bool = False  # it pays chunks the policy capped (AdmissionPolicy.chunk_limit)
+
+    @cached_property
+    def size(self) -> tuple[int, int]:  # (rows, prompt tokens): what the pacer prices
+        return step_size(self.plan)
 
 
 @dataclass

@@ -149,7 +149,7 @@ def _run(in_flight: int, swap_tokens: int, device: str = "cpu", prefetch: int = 
 
     async def run():
         loop = _loop(worker, in_flight)
-        loop.prefetch_limit = prefetch
+        loop.swapper.prefetch_limit = prefetch
         if kv_budget is not None:
             loop.kv_budget = kv_budget
         low, urgent, task = await _preempt_both(loop, tokenizer, prompts)
