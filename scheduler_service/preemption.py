@@ -137,18 +137,18 @@ class Swapper:
         pending, self.pending = self.pending, []
         return pending
 
-    def plan_prefetch(self, head: Iterable[Sequence], free_tokens: int, limit: int,
+    def plan_prefetch(self, head: Iterable[Sequence], free_tokens: int,
                       exclude: Iterable[int] = ()) -> None:
         """Keep on the device the KV of the swapped-out sequences among `head` (the waiting
         ones admission would take next as slots free up soon, in its order), at most
-        `limit`, while they fit `free_tokens` together (the KV budget left after this
+        `prefetch_limit`, while they fit `free_tokens` together (the KV budget left after this
         Step's admissions, less a reserve for arrivals), stopping at the first that does
         not, as admission does; not those of `exclude` (swapped out by the Step being
         planned). The worker starts the new ones' copies with that Step and frees those
         no longer chosen first."""
         want: dict[int, int] = {}
         exclude = set(exclude)
-        if limit > 0 and self.out:
+        if self.prefetch_limit > 0 and self.out:
             for seq in head:
                 if seq.seq_id not in self.out or seq.seq_id in exclude:
                     continue
@@ -157,7 +157,7 @@ class Swapper:
                     break
                 want[seq.seq_id] = tokens
                 free_tokens -= tokens
-                if len(want) == limit:
+                if len(want) == self.prefetch_limit:
                     break
         for sid in [sid for sid in self.prefetched if sid not in want]:
             del self.prefetched[sid]
@@ -178,8 +178,7 @@ class Swapper:
             return [], []
         running = list(running)
         free = free_tokens - sum(s.reserved_tokens for s in running)
-        self.plan_prefetch(order()[:slots_soon(running, max_batch)], free,
-                           self.prefetch_limit, exclude)
+        self.plan_prefetch(order()[:slots_soon(running, max_batch)], free, exclude)
         return self.take_prefetches()
 
     def take_prefetches(self) -> tuple[list[int], list[int]]:

@@ -20,6 +20,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler_service.batch_plan import StepPlan
 
 # Answered Steps the fit needs before it paces; until then each Step goes at once.
 MIN_SAMPLES = 8
@@ -38,9 +42,9 @@ def step_size(plan) -> tuple[int, int]:
 
 @dataclass
 class SentStep:
-    """A Step sent to the worker and not yet answered (a StepPlan as `plan`)."""
+    """A Step sent to the worker and not yet answered."""
 
-    plan: object
+    plan: StepPlan
     step_id: int
     sent: float  # perf_counter when it was handed to the stream
     plan_seconds: float

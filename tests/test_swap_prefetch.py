@@ -57,45 +57,46 @@ def test_slots_soon_counts_free_slots_and_sequences_near_their_limit():
 
 
 def test_the_head_of_the_order_is_prefetched_while_it_fits():
-    swapper = Swapper("swap", FACTS)
+    swapper = Swapper("swap", FACTS, prefetch_limit=2)
     a, b, c = _seq(1, 9, 1), _seq(2, 19, 1), _seq(3, 4, 1)  # 9, 19 and 4 KV tokens
     _swapped(swapper, a, b, c)
     fresh = _seq(4, 30)  # not swapped: nothing to copy back, and it takes no place
-    swapper.plan_prefetch([fresh, a, b, c], free_tokens=30, limit=2)
+    swapper.plan_prefetch([fresh, a, b, c], free_tokens=30)
     assert swapper.take_prefetches() == ([1, 2], [])
     assert swapper.prefetched == {1: 9, 2: 19}
     # The same choice again sends nothing; less room frees b and stops there, as
     # admission stops at the first that does not fit (c would fit, but comes after b).
-    swapper.plan_prefetch([a, b, c], free_tokens=30, limit=2)
+    swapper.plan_prefetch([a, b, c], free_tokens=30)
     assert swapper.take_prefetches() == ([], [])
-    swapper.plan_prefetch([a, b, c], free_tokens=20, limit=2)
+    swapper.plan_prefetch([a, b, c], free_tokens=20)
     assert swapper.take_prefetches() == ([], [2])
     # b swapped in (without its copy) and c chosen; a left the head: its copy is freed.
     swapper.back(b)
-    swapper.plan_prefetch([c], free_tokens=20, limit=2)
+    swapper.plan_prefetch([c], free_tokens=20)
     assert swapper.take_prefetches() == ([3], [1]) and swapper.prefetched == {3: 4}
-    swapper.plan_prefetch([a, c], free_tokens=100, limit=0)
+    swapper.prefetch_limit = 0
+    swapper.plan_prefetch([a, c], free_tokens=100)
     assert swapper.take_prefetches() == ([], [3]) and not swapper.prefetched
 
 
 def test_a_victim_is_not_copied_back_by_the_step_that_swaps_it_out():
-    swapper = Swapper("swap", FACTS)
+    swapper = Swapper("swap", FACTS, prefetch_limit=2)
     a = _seq(1, 9, 1)
     _swapped(swapper, a)
-    swapper.plan_prefetch([a], free_tokens=100, limit=2, exclude=swapper.take_pending())
+    swapper.plan_prefetch([a], free_tokens=100, exclude=swapper.take_pending())
     assert swapper.take_prefetches() == ([], [])
-    swapper.plan_prefetch([a], free_tokens=100, limit=2)
+    swapper.plan_prefetch([a], free_tokens=100)
     assert swapper.take_prefetches() == ([1], [])
 
 
 def test_a_sequence_swapped_in_or_dropped_needs_no_unprefetch():
-    swapper = Swapper("swap", FACTS)
+    swapper = Swapper("swap", FACTS, prefetch_limit=3)
     a, b, c = _seq(1, 9, 1), _seq(2, 9, 1), _seq(3, 9, 1)
     _swapped(swapper, a, b, c)
-    swapper.plan_prefetch([a, b, c], free_tokens=100, limit=3)
+    swapper.plan_prefetch([a, b, c], free_tokens=100)
     swapper.take_prefetches()
     swapper.back(a)  # its swap_in uses the copy
-    swapper.plan_prefetch([c], free_tokens=100, limit=3)  # b no longer chosen
+    swapper.plan_prefetch([c], free_tokens=100)  # b no longer chosen
     swapper.drop(b)  # released in the same Step: the worker frees its copy with it
     assert swapper.take_prefetches() == ([], []) and swapper.prefetched == {3: 9}
     swapper.forget()

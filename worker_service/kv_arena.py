@@ -8,9 +8,9 @@ and on this project's machines each fresh 4 KiB page costs some 5 us to fault in
 reallocation). Here the groups' buffers come from one region the worker owns and maps at
 start, as vLLM's CPU backend allocates its KV space at start, and the prefix cache keeps
 the heap to itself. Each buffer takes one extent, first fit; where no hole is long enough
-but the free bytes are, the held extents are moved down to close the holes (as the swap
-space does), and only a buffer larger than the free bytes comes from the heap instead
-(still correct, only slower; the first such miss is logged). Only the CPU worker has one
+but the free bytes are, the held extents are moved down to close the holes, and only a
+buffer larger than the free bytes comes from the heap instead (still correct, only
+slower; the first such miss is logged). Only the CPU worker has one
 for its groups: on a GPU torch's caching allocator keeps freed device memory for reuse
 already. The swap space (kv_swap.py) keeps its host copies in an arena of its own, pinned
 on a GPU.
