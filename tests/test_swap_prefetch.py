@@ -79,6 +79,14 @@ def test_the_head_of_the_order_is_prefetched_while_it_fits():
     assert swapper.take_prefetches() == ([], [3]) and not swapper.prefetched
 
 
+def test_no_more_than_the_limit_is_copied_ahead():
+    swapper = Swapper("swap", FACTS, prefetch_limit=2)
+    a, b, c = _seq(1, 9, 1), _seq(2, 9, 1), _seq(3, 9, 1)
+    _swapped(swapper, a, b, c)
+    swapper.plan_prefetch([a, b, c], free_tokens=1000)  # room for all three
+    assert swapper.take_prefetches() == ([1, 2], [])
+
+
 def test_a_victim_is_not_copied_back_by_the_step_that_swaps_it_out():
     swapper = Swapper("swap", FACTS, prefetch_limit=2)
     a = _seq(1, 9, 1)
