@@ -8,11 +8,14 @@ once, only up to the row's length (no padding), and keep scores and sums in floa
 
 - `attend` (decoding: one query per row of a group): 0.13 ms for 30 rows of 0-300 slots.
 - `attend_prompt` (a prompt, causal over its row's slots, after any cached prefix): 2.0
-  ms for 512 tokens against 4.8 ms through SDPA in bfloat16. Prompts of
-  `TILED_MIN_TOKENS` or more take the tiled loop of `prompt_attention.c` instead (tiles of
-  queries as two small bfloat16 GEMMs): on one core 2.2-2.4x the one-query loop at 500-2000
-  tokens (9 heads over 3 of 64), where the one-query loop made half of a 2000-token
-  prefill; below 32 tokens the one-query loop is as fast.
+  ms for 512 tokens against 4.8 ms through SDPA in bfloat16. Where it is built, every
+  prompt piece takes the tiled loop of `prompt_attention.c` instead (tiles of queries as
+  two small bfloat16 GEMMs): on one core 2.2-2.4x the one-query loop at 500-2000 tokens (9
+  heads over 3 of 64), where the one-query loop made half of a 2000-token prefill; below
+  32 tokens the two are as fast. The two round the probabilities differently, so a prompt
+  must not switch loops with the length of a piece: a prefix-cache hit or a chunk leaving
+  a short tail would then compute other bits than the whole prompt (on SmolLM2 in bfloat16
+  that changed greedy tokens of a repeated 120-token prompt).
 
 In float32 (a float32 model, or a bfloat16 one computing in float32 on a CPU without
 native bfloat16, cpu_dtype.py) decoding takes the same loop with AVX2 over float32 keys,
@@ -50,7 +53,7 @@ from worker_service.kernels import native_build
 SOURCE = Path(__file__).with_name("native_attention.c")
 TILED_SOURCE = Path(__file__).with_name("prompt_attention.c")
 MAX_DIM = 512  # the C loops' largest head size (MAX_DIM there)
-TILED_MIN_TOKENS = 32  # shorter prompts: the one-query loop is as fast (measured)
+TILED_MIN_TOKENS = 1  # every piece: one rounding whatever a chunk's length (see above)
 _P, _I, _F = native_build.P, native_build.I64, native_build.F32
 FUNCTIONS = {
     "decode_attention_bf16": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _I,
