@@ -17,6 +17,14 @@
  * exact bfloat16 products summed in float32, plus the bias, rounded once to bfloat16
  * (to nearest even): the same bits whatever the row count, the tile or the thread that
  * computes it (batch invariant by construction).
+ *
+ * On CPUs with AMX (Sapphire Rapids and later), once amx_enable() has been granted the
+ * tile registers, products whose k is a multiple of 32 run on the tile unit instead: the
+ * packed block's 16 pairs x 16 columns x 2 are exactly a B tile (the VNNI layout), so
+ * the same packed weight serves both loops. A tile product sums the pairs in the same
+ * kp order, row by row alone, so it too gives every row the same bits at every row
+ * count; it is the only loop for such a weight once enabled (the two loops may differ
+ * in last bits).
  */
 #include <stdint.h>
 
@@ -99,6 +107,131 @@ tile(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t k2, const int mr,
         }                                                                      \
         break;
 
+/* Rounds tile sums acc [rows mr][16] (float32, plus bias) to bfloat16 in y's 16
+ * columns from c (masked at n): the AVX loop's epilogue. */
+static inline void store_rows(const float *acc, int mr, const uint16_t *bias, uint16_t *y,
+                              int64_t n, int64_t c) {
+    const int64_t left = n - c;
+    const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+    __m512 bv = _mm512_setzero_ps();
+    if (bias)
+        bv = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c)), 16));
+    for (int m = 0; m < mr; m++)
+        _mm256_mask_storeu_epi16(y + m * n + c, mask,
+                                 (__m256i)_mm512_cvtneps_pbh(
+                                     _mm512_add_ps(_mm512_loadu_ps(acc + m * 16), bv)));
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define AMX_K 32 /* input positions of one tile step: 16 pairs, a 64-byte A row */
+
+static int amx_granted = 0;
+
+/* Asks Linux for the tile registers (per process, once); 1 where granted, after which
+ * products with k % 32 == 0 run on the tiles. */
+int amx_enable(void) {
+    if (!amx_granted && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0)
+        amx_granted = 1;
+    return amx_granted;
+}
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Tiles 0-3: the sums of up to 4 column blocks for mr rows; 4: the rows' 32 inputs of a
+ * step; 6 and 7: a block's 16 pairs x 16 columns, alternating so a load need not wait for
+ * the product reading the other. */
+static void configure(int mr) {
+    struct tile_config cfg __attribute__((aligned(64)));
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 5; t++) {
+        cfg.rows[t] = (uint8_t)mr;
+        cfg.colsb[t] = 64;
+    }
+    for (int t = 6; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+static inline __attribute__((always_inline)) void
+amx_tile(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t k2, const int mr,
+         const int nbk, const uint16_t *bias, uint16_t *y, int64_t n, int64_t col0) {
+    const int64_t block = k2 * 32, steps = k2 / 16;
+    const int64_t stride = xs * (int64_t)sizeof(uint16_t);
+    _tile_zero(0);
+    if (nbk > 1) _tile_zero(1);
+    if (nbk > 2) _tile_zero(2);
+    if (nbk > 3) _tile_zero(3);
+    for (int64_t s = 0; s < steps; s++) {
+        const uint16_t *w = p + s * 512;
+        _tile_loadd(4, x + s * AMX_K, stride);
+        _tile_loadd(6, w, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (nbk > 1) { _tile_loadd(7, w + block, 64); _tile_dpbf16ps(1, 4, 7); }
+        if (nbk > 2) { _tile_loadd(6, w + 2 * block, 64); _tile_dpbf16ps(2, 4, 6); }
+        if (nbk > 3) { _tile_loadd(7, w + 3 * block, 64); _tile_dpbf16ps(3, 4, 7); }
+    }
+    float acc[16 * 16] __attribute__((aligned(64)));
+    _tile_stored(0, acc, 64);
+    store_rows(acc, mr, bias, y, n, col0);
+    if (nbk > 1) { _tile_stored(1, acc, 64); store_rows(acc, mr, bias, y, n, col0 + 16); }
+    if (nbk > 2) { _tile_stored(2, acc, 64); store_rows(acc, mr, bias, y, n, col0 + 32); }
+    if (nbk > 3) { _tile_stored(3, acc, 64); store_rows(acc, mr, bias, y, n, col0 + 48); }
+}
+
+/* linear_dpbf16 on the tiles: each thread its contiguous blocks, in groups of 4 whose
+ * weights stay in cache while every 16-row tile of x passes over them. */
+static void linear_amx(const uint16_t *x, const uint16_t *p, const uint16_t *bias, uint16_t *y,
+                       int64_t rows, int64_t n, int64_t k2, int64_t xs) {
+    const int64_t blocks = (n + 15) / 16;
+#pragma omp parallel if (rows * n * k2 >= 32768)
+    {
+        int64_t t = 0, threads = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        threads = omp_get_num_threads();
+#endif
+        const int64_t lo = blocks * t / threads, hi = blocks * (t + 1) / threads;
+        int configured = 0;
+        for (int64_t b0 = lo; b0 < hi; b0 += 4) {
+            const int nbk = (int)(hi - b0 < 4 ? hi - b0 : 4);
+            const uint16_t *pb = p + b0 * k2 * 32;
+            for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+                const int mr = (int)(rows - r0 < 16 ? rows - r0 : 16);
+                if (mr != configured) {
+                    configure(mr);
+                    configured = mr;
+                }
+                const uint16_t *xr = x + r0 * xs;
+                uint16_t *yr = y + r0 * n;
+                switch (nbk) {
+                case 4: amx_tile(xr, xs, pb, k2, mr, 4, bias, yr, n, b0 * 16); break;
+                case 3: amx_tile(xr, xs, pb, k2, mr, 3, bias, yr, n, b0 * 16); break;
+                case 2: amx_tile(xr, xs, pb, k2, mr, 2, bias, yr, n, b0 * 16); break;
+                default: amx_tile(xr, xs, pb, k2, mr, 1, bias, yr, n, b0 * 16); break;
+                }
+            }
+        }
+        if (configured)
+            _tile_release();
+    }
+}
+#else
+int amx_enable(void) { return 0; }
+#endif
+
 /* y[m, j] = bfloat16(sum_i x[m, i] * w[j, i] + bias[j]): x bfloat16 [rows, k] with row
  * stride xs, p the packed w (n rounded up to 16 columns, the extra ones zero), bias
  * bfloat16 [n] or NULL, y bfloat16 [rows, n] contiguous. Returns 0, or -1 for an odd k
@@ -107,6 +240,12 @@ int linear_dpbf16(const uint16_t *x, const uint16_t *p, const uint16_t *bias, ui
                   int64_t rows, int64_t n, int64_t k, int64_t xs) {
     if (rows < 1 || k < 2 || k % 2)
         return -1;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx_granted && k % AMX_K == 0) {
+        linear_amx(x, p, bias, y, rows, n, k / 2, xs);
+        return 0;
+    }
+#endif
     const int64_t k2 = k / 2, blocks = (n + 15) / 16, tiles = (rows + MR - 1) / MR;
 #pragma omp parallel if (rows * n * k >= 65536)
     {
@@ -146,6 +285,8 @@ int linear_dpbf16(const uint16_t *x, const uint16_t *p, const uint16_t *bias, ui
 #else
 /* Without AVX512-BF16 dpbf16_linear.py does not use this library. */
 int dpbf16_vectorized(void) { return 0; }
+
+int amx_enable(void) { return 0; }
 
 int linear_dpbf16(const uint16_t *x, const uint16_t *p, const uint16_t *bias, uint16_t *y,
                   int64_t rows, int64_t n, int64_t k, int64_t xs) {
