@@ -38,11 +38,13 @@ def test_pack_puts_each_pair_of_inputs_of_16_columns_together():
 @needs_library
 @pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (40, 24), (100, 7), (2, 3),
                                  (64, 70)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 16, 17, 33, 64])
 @pytest.mark.parametrize("bias", [False, True])
 def test_product_equals_float64_up_to_the_bfloat16_rounding(k, n, rows, bias):
-    """Row counts below, at and past a register tile (6 rows); widths that fill whole
-    16-column blocks and tiles of 4 blocks, and ones that end in a part block."""
+    """Row counts below, at and past a register tile (6 rows) and an AMX tile (16 rows);
+    widths that fill whole 16-column blocks and tiles of 4 blocks, and ones that end in a
+    part block; input widths that are multiples of 32 (the AMX tiles where the CPU has
+    them) and ones that are not (the dot loop)."""
     x, w, b = _operands(rows, k, n, bias, seed=k * n + rows)
     got = _product(x, w, b)
     want = x.double() @ w.double().T + (0 if b is None else b.double())
@@ -85,6 +87,41 @@ def test_the_bits_do_not_depend_on_the_thread_count():
                     assert torch.equal(_product(x, w, b), want), (threads, x.shape, w.shape)
     finally:
         torch.set_num_threads(before)
+
+
+@needs_library
+def test_the_products_take_the_amx_tiles_where_the_cpu_has_them(monkeypatch):
+    """On a CPU with AMX-BF16 the tile loop is on (it is about 10x the dot loop's rate
+    there), and SEQSERVE_AMX=0 is read as off."""
+    assert dpbf16_linear.uses_amx() == ("amx_bf16" in linear_prepack.cpu_flags())
+    monkeypatch.setenv("SEQSERVE_AMX", "0")
+    assert not dpbf16_linear.uses_amx()
+
+
+@needs_library
+@pytest.mark.skipif("amx_bf16" not in linear_prepack.cpu_flags(), reason="no AMX here")
+def test_the_tile_loop_runs_and_rounds_as_the_dot_loop_up_to_a_last_bit(tmp_path):
+    """The two loops sum the same exact products in the same order but round the pair sums
+    their own ways: the last bits of a few values differ, which shows the tiles ran; a
+    worker started with SEQSERVE_AMX=0 (another process: the switch is read at load) gets
+    the dot loop's."""
+    import subprocess
+    import sys
+
+    x, w, b = _operands(64, 576, 3072, True, seed=7)
+    torch.save((x, w, b), tmp_path / "operands.pt")
+    script = ("import sys, torch\n"
+              "from worker_service.kernels import dpbf16_linear as d\n"
+              "x, w, b = torch.load(sys.argv[1])\n"
+              "torch.save(d.linear(x, d.pack(w), b, w.shape[0]), sys.argv[2])\n")
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "operands.pt"),
+                    str(tmp_path / "dot.pt")], check=True, timeout=300,
+                   env={**__import__("os").environ, "SEQSERVE_AMX": "0"})
+    dot, tiles = torch.load(tmp_path / "dot.pt"), _product(x, w, b)
+    differ = dot != tiles
+    assert 0 < int(differ.sum()) < dot.numel() // 100
+    # one bfloat16 step of the value, or float32 sums' difference where sums cancel
+    assert ((dot.float() - tiles.float()).abs() <= dot.float().abs() * 2 ** -7 + 1e-3).all()
 
 
 @needs_library
