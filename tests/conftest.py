@@ -37,6 +37,33 @@ needs_onednn_bf16 = pytest.mark.skipif(
     "compute in float32 here")
 
 
+def _has_amx() -> bool:
+    from worker_service.kernels import linear_prepack
+
+    return "amx_bf16" in linear_prepack.cpu_flags()
+
+
+needs_amx = pytest.mark.skipif(not _has_amx(), reason="no AMX-BF16 on this CPU")
+
+
+def without_amx(tmp_path: Path, script: str, *tensors):
+    """What `script` computes from `tensors` with SEQSERVE_AMX=0, in a fresh interpreter
+    (the switch is read when a library loads): the script finds the tensors as `args` and
+    leaves its answer in `result`."""
+    import subprocess
+    import sys
+
+    import torch
+
+    torch.save(tensors, tmp_path / "args.pt")
+    wrapper = ("import sys, torch\nargs = torch.load(sys.argv[1])\n" + script +
+               "\ntorch.save(result, sys.argv[2])\n")
+    subprocess.run([sys.executable, "-c", wrapper, str(tmp_path / "args.pt"),
+                    str(tmp_path / "result.pt")], check=True, timeout=300, cwd=REPO,
+                   env={**os.environ, "SEQSERVE_AMX": "0"})
+    return torch.load(tmp_path / "result.pt")
+
+
 def tiny_model(arch: str = "llama") -> Path:
     """A tiny random-weight model of `arch` (written once, reused across runs)."""
     from worker_service.fixtures import make_model

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.conftest import needs_amx, without_amx
 from worker_service.kernels import dpbf16_linear, linear_prepack
 
 needs_library = pytest.mark.skipif(dpbf16_linear.library() is None,
@@ -99,25 +100,16 @@ def test_the_products_take_the_amx_tiles_where_the_cpu_has_them(monkeypatch):
 
 
 @needs_library
-@pytest.mark.skipif("amx_bf16" not in linear_prepack.cpu_flags(), reason="no AMX here")
+@needs_amx
 def test_the_tile_loop_runs_and_rounds_as_the_dot_loop_up_to_a_last_bit(tmp_path):
     """The two loops sum the same exact products in the same order but round the pair sums
     their own ways: the last bits of a few values differ, which shows the tiles ran; a
-    worker started with SEQSERVE_AMX=0 (another process: the switch is read at load) gets
-    the dot loop's."""
-    import subprocess
-    import sys
-
+    worker started with SEQSERVE_AMX=0 gets the dot loop's."""
     x, w, b = _operands(64, 576, 3072, True, seed=7)
-    torch.save((x, w, b), tmp_path / "operands.pt")
-    script = ("import sys, torch\n"
-              "from worker_service.kernels import dpbf16_linear as d\n"
-              "x, w, b = torch.load(sys.argv[1])\n"
-              "torch.save(d.linear(x, d.pack(w), b, w.shape[0]), sys.argv[2])\n")
-    subprocess.run([sys.executable, "-c", script, str(tmp_path / "operands.pt"),
-                    str(tmp_path / "dot.pt")], check=True, timeout=300,
-                   env={**__import__("os").environ, "SEQSERVE_AMX": "0"})
-    dot, tiles = torch.load(tmp_path / "dot.pt"), _product(x, w, b)
+    dot = without_amx(tmp_path, "from worker_service.kernels import dpbf16_linear as d\n"
+                      "x, w, b = args\nresult = d.linear(x, d.pack(w), b, w.shape[0])",
+                      x, w, b)
+    tiles = _product(x, w, b)
     differ = dot != tiles
     assert 0 < int(differ.sum()) < dot.numel() // 100
     # one bfloat16 step of the value, or float32 sums' difference where sums cancel

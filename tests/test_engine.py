@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests import reference
-from tests.conftest import ARCHITECTURES, needs_onednn_bf16, tiny_model
+from tests.conftest import ARCHITECTURES, needs_amx, needs_onednn_bf16, tiny_model, without_amx
 from worker_service.engine import Engine, StepError
 from worker_service.model_runner import ModelRunner
 from worker_service.sequence import DecodingParams
@@ -366,6 +366,25 @@ def test_tiled_prompt_attention_reads_only_written_slots_and_ignores_chunking(
     rest = native_attention.attend_prompt(query[cut:], keys, values, row, start + cut, 0.3,
                                           window)
     assert torch.equal(torch.cat([first, rest]), got)
+
+
+@needs_amx
+def test_tiled_prompt_attention_runs_on_the_amx_tiles_where_the_cpu_has_them(tmp_path):
+    """With AMX the tiles' two products run on the tile unit: the same exact products
+    summed in the same order, rounded otherwise in the last bits, so a few outputs differ
+    from the dot loop's (a worker started with SEQSERVE_AMX=0) by a bfloat16 step."""
+    from worker_service.kernels import native_attention
+
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randn(2, 3, 300, 64, generator=g).bfloat16()
+    values = torch.randn(keys.shape, generator=g).bfloat16()
+    query = torch.randn(260, 9, 64, generator=g).bfloat16()
+    tiles = native_attention.attend_prompt(query, keys, values, 1, 20, 0.125, None)
+    dot = without_amx(tmp_path, "from worker_service.kernels import native_attention as n\n"
+                      "q, k, v = args\nresult = n.attend_prompt(q, k, v, 1, 20, 0.125, None)",
+                      query, keys, values)
+    assert 0 < int((dot != tiles).sum()) < dot.numel() // 20
+    assert (dot.float() - tiles.float()).abs().max() <= 2 ** -6
 
 
 def test_float32_kv_of_a_bfloat16_model_gives_its_tokens(monkeypatch):

@@ -29,6 +29,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "amx.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -123,47 +124,12 @@ static inline void store_rows(const float *acc, int mr, const uint16_t *bias, ui
                                      _mm512_add_ps(_mm512_loadu_ps(acc + m * 16), bv)));
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#ifdef HAVE_AMX
 #define AMX_K 32 /* input positions of one tile step: 16 pairs, a 64-byte A row */
 
-static int amx_granted = 0;
-
-/* Asks Linux for the tile registers (per process, once); 1 where granted, after which
- * products with k % 32 == 0 run on the tiles. */
-int amx_enable(void) {
-    if (!amx_granted && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0)
-        amx_granted = 1;
-    return amx_granted;
-}
-
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-/* Tiles 0-3: the sums of up to 4 column blocks for mr rows; 4: the rows' 32 inputs of a
- * step; 6 and 7: a block's 16 pairs x 16 columns, alternating so a load need not wait for
- * the product reading the other. */
-static void configure(int mr) {
-    struct tile_config cfg __attribute__((aligned(64)));
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 5; t++) {
-        cfg.rows[t] = (uint8_t)mr;
-        cfg.colsb[t] = 64;
-    }
-    for (int t = 6; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
+/* Asks Linux for the tile registers; 1 where granted, after which products with
+ * k % 32 == 0 run on the tiles (amx.h). */
+int amx_enable(void) { return amx_request(); }
 
 static inline __attribute__((always_inline)) void
 amx_tile(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t k2, const int mr,
@@ -211,7 +177,7 @@ static void linear_amx(const uint16_t *x, const uint16_t *p, const uint16_t *bia
             for (int64_t r0 = 0; r0 < rows; r0 += 16) {
                 const int mr = (int)(rows - r0 < 16 ? rows - r0 : 16);
                 if (mr != configured) {
-                    configure(mr);
+                    amx_configure(mr);
                     configured = mr;
                 }
                 const uint16_t *xr = x + r0 * xs;
@@ -240,7 +206,7 @@ int linear_dpbf16(const uint16_t *x, const uint16_t *p, const uint16_t *bias, ui
                   int64_t rows, int64_t n, int64_t k, int64_t xs) {
     if (rows < 1 || k < 2 || k % 2)
         return -1;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#ifdef HAVE_AMX
     if (amx_granted && k % AMX_K == 0) {
         linear_amx(x, p, bias, y, rows, n, k / 2, xs);
         return 0;

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -67,6 +68,7 @@ DECODE = {torch.bfloat16: "decode_attention_bf16", torch.float32: "decode_attent
 TILED_FUNCTIONS = {
     "prompt_attention_tiled_bf16": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I],
                                     ctypes.c_int),
+    "amx_enable": ([], ctypes.c_int),
 }
 
 
@@ -82,8 +84,11 @@ def kernel() -> ctypes.CDLL | None:
 def tiled_kernel() -> ctypes.CDLL | None:
     """The tiled prompt loop (prompt_attention.c), built on first use; None where it
     cannot be built (prompts then take the one-query loop of `kernel()`)."""
-    return native_build.build(TILED_SOURCE, "SEQSERVE_TILED_PROMPT_ATTENTION",
-                              "prompts take the one-query loop", TILED_FUNCTIONS)
+    lib = native_build.build(TILED_SOURCE, "SEQSERVE_TILED_PROMPT_ATTENTION",
+                             "prompts take the one-query loop", TILED_FUNCTIONS)
+    if lib is not None and os.environ.get("SEQSERVE_AMX", "1") != "0":
+        lib.amx_enable()  # the tiles' products on AMX where the CPU has them
+    return lib
 
 
 def supports(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:

@@ -27,6 +27,13 @@
  * window > 0, else 0. Slots from start + tokens on are never read (buffers are not
  * zero-filled). Returns 0; -1 for a shape it does not take or where it was built without
  * AVX512-BF16 (the caller then uses the one-query loop); -2 when memory ran out.
+ *
+ * With AMX (amx_enable() granted), the two products of a tile run on the tile unit: the
+ * packed keys' 16 dimension pairs x 16 slots and the packed values' 16 slot pairs x 16
+ * dimensions are B tiles as they lie, the tile's query rows (gathered contiguous) and
+ * probabilities the A tiles; tiles of up to 48 (token, head) rows. The same exact
+ * products are summed in float32 in the same order per query, rounded otherwise than the
+ * dot instruction in the last bits: once enabled, every prompt piece takes the tiles.
  */
 #include <math.h>
 #include <stdint.h>
@@ -34,6 +41,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "amx.h"
 
 #define MAX_DIM 512
 #define TILE_ROWS 24 /* (token, head) rows per tile, at least one token's heads */
@@ -203,6 +211,127 @@ static void attend_tile(const uint16_t *q, uint16_t *out, const uint32_t *kp,
             values_rows(pr, nr, vt, n / 2, dim, inv + r0, o);
     }
 }
+
+#ifdef HAVE_AMX
+#define AMX_TILE_ROWS 48 /* (token, head) rows per tile: three full 16-row A tiles */
+
+/* 1 where Linux granted the tile state: prompts then take attend_tile_amx. */
+int amx_enable(void) { return amx_request(); }
+
+/* The scores of rows [r0, r0 + mr) against the tile's n slots (n / 16 blocks, even), on
+ * the tiles: two slot blocks at a time, dim / 32 steps each. qbuf holds the rows' queries
+ * contiguous [mr][dim]. */
+static void scores_amx(const uint16_t *qbuf, const uint32_t *kt, int64_t n, int64_t dim,
+                       float scale, float *s) {
+    const int64_t pairs = dim / 2, steps = dim / 32;
+    for (int64_t b = 0; b < n / 16; b += 2) {
+        const uint32_t *k0 = kt + b * pairs * 16, *k1 = k0 + pairs * 16;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t d = 0; d < steps; d++) {
+            _tile_loadd(4, qbuf + d * 32, dim * 2);
+            _tile_loadd(6, k0 + d * 256, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, k1 + d * 256, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        _tile_stored(0, s + b * 16, n * 4);
+        _tile_stored(1, s + b * 16 + 16, n * 4);
+    }
+}
+
+/* Rows [0, mr) of p (row stride n) times the packed values, dimensions [c0, c0 + 16 * cv)
+ * (cv <= 4), each output row scaled by inv[r] and rounded into o[r]. */
+static inline __attribute__((always_inline)) void
+values_amx(const uint16_t *p, int64_t n, const uint32_t *vt, int64_t dim, int64_t c0,
+           const int cv, int mr, const float *inv, uint16_t *const *o) {
+    _tile_zero(0);
+    if (cv > 1) _tile_zero(1);
+    if (cv > 2) _tile_zero(2);
+    if (cv > 3) _tile_zero(3);
+    for (int64_t st = 0; st < n / 32; st++) {
+        const uint32_t *v = vt + st * 16 * dim + c0;
+        _tile_loadd(5, p + st * 32, n * 2);
+        _tile_loadd(6, v, dim * 4);
+        _tile_dpbf16ps(0, 5, 6);
+        if (cv > 1) { _tile_loadd(7, v + 16, dim * 4); _tile_dpbf16ps(1, 5, 7); }
+        if (cv > 2) { _tile_loadd(6, v + 32, dim * 4); _tile_dpbf16ps(2, 5, 6); }
+        if (cv > 3) { _tile_loadd(7, v + 48, dim * 4); _tile_dpbf16ps(3, 5, 7); }
+    }
+    float acc[4][16 * 16] __attribute__((aligned(64)));
+    _tile_stored(0, acc[0], 64);
+    if (cv > 1) _tile_stored(1, acc[1], 64);
+    if (cv > 2) _tile_stored(2, acc[2], 64);
+    if (cv > 3) _tile_stored(3, acc[3], 64);
+    for (int r = 0; r < mr; r++) {
+        const __m512 scale = _mm512_set1_ps(inv[r]);
+        for (int c = 0; c < cv; c++)
+            _mm256_storeu_si256((__m256i *)(o[r] + c0 + c * 16),
+                                (__m256i)_mm512_cvtneps_pbh(
+                                    _mm512_mul_ps(_mm512_load_ps(acc[c] + r * 16), scale)));
+    }
+}
+
+/* attend_tile on the tiles; *configured: the row count the calling thread's tiles are
+ * configured for (0: none yet). */
+static void attend_tile_amx(const uint16_t *q, uint16_t *out, const uint32_t *kp,
+                            const uint32_t *vp, int64_t base, int64_t start, int64_t t0,
+                            int64_t t1, int64_t h, int64_t heads, int64_t group, int64_t dim,
+                            float scale, int64_t window, float *s, uint16_t *p,
+                            int *configured) {
+    const int64_t end = start + t1, first0 = start + t0 + 1 - window;
+    const int64_t lo = window > 0 && first0 > 0 ? first0 / 32 * 32 : 0;
+    const int64_t n = (end + 31) / 32 * 32 - lo, rows = (t1 - t0) * group;
+    const uint32_t *kt = kp + (lo - base) * dim / 2, *vt = vp + (lo - base) * dim / 2;
+    uint16_t qbuf[16 * MAX_DIM] __attribute__((aligned(64)));
+    float inv[AMX_TILE_ROWS];
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int mr = rows - r0 >= 16 ? 16 : (int)(rows - r0);
+        if (mr != *configured) {
+            amx_configure(mr);
+            *configured = mr;
+        }
+        for (int r = 0; r < mr; r++) {
+            const int64_t row = r0 + r, t = t0 + row / group;
+            memcpy(qbuf + r * dim, q + (t * heads + h * group + row % group) * dim,
+                   (size_t)dim * sizeof(uint16_t));
+        }
+        scores_amx(qbuf, kt, n, dim, scale, s + r0 * n);
+        for (int64_t i = 0; i < mr * n; i += 16) /* scale as the dot loop: after the sum */
+            _mm512_storeu_ps(s + r0 * n + i, _mm512_mul_ps(_mm512_loadu_ps(s + r0 * n + i), sv));
+    }
+    for (int64_t row = 0; row < rows; row++) {
+        const int64_t e = start + t0 + row / group + 1;
+        const int64_t f = window > 0 && e > window ? e - window : 0;
+        inv[row] = softmax_row(s + row * n, p + row * n, n, lo, f, e);
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int mr = rows - r0 >= 16 ? 16 : (int)(rows - r0);
+        if (mr != *configured) {
+            amx_configure(mr);
+            *configured = mr;
+        }
+        uint16_t *o[16];
+        for (int r = 0; r < mr; r++) {
+            const int64_t row = r0 + r, t = t0 + row / group;
+            o[r] = out + (t * heads + h * group + row % group) * dim;
+        }
+        for (int64_t c0 = 0; c0 < dim; c0 += 64) {
+            const int cv = dim - c0 >= 64 ? 4 : (int)((dim - c0) / 16);
+            switch (cv) {
+            case 4: values_amx(p + r0 * n, n, vt, dim, c0, 4, mr, inv + r0, o); break;
+            case 3: values_amx(p + r0 * n, n, vt, dim, c0, 3, mr, inv + r0, o); break;
+            case 2: values_amx(p + r0 * n, n, vt, dim, c0, 2, mr, inv + r0, o); break;
+            default: values_amx(p + r0 * n, n, vt, dim, c0, 1, mr, inv + r0, o); break;
+            }
+        }
+    }
+}
+#endif
+#endif
+#ifndef HAVE_AMX
+int amx_enable(void) { return 0; }
 #endif
 
 int prompt_attention_tiled_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v,
@@ -217,8 +346,15 @@ int prompt_attention_tiled_bf16(const uint16_t *q, const uint16_t *k, const uint
     if (tokens == 0)
         return 0;
     const int64_t group = heads / kv_heads, end = start + tokens;
-    const int64_t tile = group >= TILE_ROWS ? 1 : TILE_ROWS / group; /* tokens per tile */
-    if (group > TILE_ROWS)
+#ifdef HAVE_AMX
+    const int amx = amx_granted;
+    const int64_t tile_rows = amx ? AMX_TILE_ROWS : TILE_ROWS;
+#else
+    const int amx = 0;
+    const int64_t tile_rows = TILE_ROWS;
+#endif
+    const int64_t tile = group >= tile_rows ? 1 : tile_rows / group; /* tokens per tile */
+    if (group > tile_rows)
         return -1;
     /* The lowest slot any query sees, rounded down to the tiles' 32-slot alignment. */
     const int64_t first = window > 0 && start + 1 > window ? start + 1 - window : 0;
@@ -241,7 +377,8 @@ int prompt_attention_tiled_bf16(const uint16_t *q, const uint16_t *k, const uint
     int status = 0;
 #pragma omp parallel if (tokens * heads >= 2 * MIN_PAIRS_PER_THREAD)
     {
-        const size_t cells = (size_t)TILE_ROWS * (size_t)(span + 32);
+        const size_t cells = (size_t)tile_rows * (size_t)(span + 32);
+        int configured = 0; /* the AMX rows this thread's tiles are set for */
         float *s = malloc(sizeof(float) * cells);
         uint16_t *p = malloc(sizeof(uint16_t) * cells);
         if (!s || !p) {
@@ -253,10 +390,24 @@ int prompt_attention_tiled_bf16(const uint16_t *q, const uint16_t *k, const uint
         for (int64_t u = 0; u < tiles * kv_heads; u++) {
             const int64_t t0 = (tiles - 1 - u / kv_heads) * tile, h = u % kv_heads;
             const int64_t t1 = t0 + tile < tokens ? t0 + tile : tokens;
-            if (s && p)
-                attend_tile(q, out, kp + h * per_head, vp + h * per_head, base, start, t0,
-                            t1, h, heads, group, dim, scale, window, s, p);
+            if (!(s && p))
+                continue;
+#ifdef HAVE_AMX
+            if (amx) {
+                attend_tile_amx(q, out, kp + h * per_head, vp + h * per_head, base, start,
+                                t0, t1, h, heads, group, dim, scale, window, s, p,
+                                &configured);
+                continue;
+            }
+#endif
+            attend_tile(q, out, kp + h * per_head, vp + h * per_head, base, start, t0, t1,
+                        h, heads, group, dim, scale, window, s, p);
         }
+#ifdef HAVE_AMX
+        if (configured)
+            _tile_release();
+#endif
+        (void)amx;
         free(s);
         free(p);
     }
