@@ -68,6 +68,13 @@ def test_a_row_has_the_same_bits_at_every_row_count():
     wide = torch.cat([x, x], dim=1)[:, :576]
     assert torch.equal(_product(wide, w, b), together)
     assert torch.equal(_product(x.view(4, 10, 576), w, b), together.view(4, 10, 3072))
+    # past the AMX loop's 256-row chunks: slices across a chunk's end, against float64
+    x, w, b = _operands(600, 1536, 96, True, seed=5)
+    together = _product(x, w, b)
+    for start, stop in ((250, 262), (255, 257), (511, 600), (0, 1)):
+        assert torch.equal(_product(x[start:stop], w, b), together[start:stop])
+    want = x.double() @ w.double().T + b.double()
+    assert ((together.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-3).all()
 
 
 @needs_library

@@ -157,8 +157,12 @@ amx_tile(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t k2, const int
     if (nbk > 3) { _tile_stored(3, acc, 64); store_rows(acc, mr, bias, y, n, col0 + 48); }
 }
 
+/* Rows of x a pass over the block groups takes: their inputs (at most 256 x k x 2 bytes,
+ * 768 KiB at k = 1536) stay in the core's L2 cache while every block group reads them. */
+#define AMX_ROW_CHUNK 256
+
 /* linear_dpbf16 on the tiles: each thread its contiguous blocks, in groups of 4 whose
- * weights stay in cache while every 16-row tile of x passes over them. */
+ * weights stay in cache while every 16-row tile of a chunk of x passes over them. */
 static void linear_amx(const uint16_t *x, const uint16_t *p, const uint16_t *bias, uint16_t *y,
                        int64_t rows, int64_t n, int64_t k2, int64_t xs) {
     const int64_t blocks = (n + 15) / 16;
@@ -171,11 +175,13 @@ static void linear_amx(const uint16_t *x, const uint16_t *p, const uint16_t *bia
 #endif
         const int64_t lo = blocks * t / threads, hi = blocks * (t + 1) / threads;
         int configured = 0;
+        for (int64_t c0 = 0; c0 < rows; c0 += AMX_ROW_CHUNK)
         for (int64_t b0 = lo; b0 < hi; b0 += 4) {
             const int nbk = (int)(hi - b0 < 4 ? hi - b0 : 4);
             const uint16_t *pb = p + b0 * k2 * 32;
-            for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-                const int mr = (int)(rows - r0 < 16 ? rows - r0 : 16);
+            const int64_t c1 = rows - c0 < AMX_ROW_CHUNK ? rows : c0 + AMX_ROW_CHUNK;
+            for (int64_t r0 = c0; r0 < c1; r0 += 16) {
+                const int mr = (int)(c1 - r0 < 16 ? c1 - r0 : 16);
                 if (mr != configured) {
                     amx_configure(mr);
                     configured = mr;

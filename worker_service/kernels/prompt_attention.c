@@ -146,17 +146,25 @@ values_rows(const uint16_t *const *pr, int nr, const uint32_t *vp, int64_t pairs
     }
 }
 
-/* Row r's scores s[0, n) (slots lo + i) -> bfloat16 probabilities p (unnormalized, zero
- * outside [first, end)); returns 1 / their float32 sum. */
+/* Row r's scores s[0, n) (slots lo + i) times `scale` -> bfloat16 probabilities p
+ * (unnormalized, zero outside [first, end)); returns 1 / their float32 sum. */
 static float softmax_row(float *s, uint16_t *p, int64_t n, int64_t lo, int64_t first,
-                         int64_t end) {
+                         int64_t end, float scale) {
     for (int64_t i = 0; i < first - lo; i++)
         s[i] = -INFINITY;
     for (int64_t i = end - lo; i < n; i++)
         s[i] = -INFINITY;
     __m512 best = _mm512_set1_ps(-INFINITY);
-    for (int64_t i = 0; i < n; i += 16)
-        best = _mm512_max_ps(best, _mm512_loadu_ps(s + i));
+    const __m512 sv = _mm512_set1_ps(scale);
+    if (scale == 1.f) /* the dot loop scaled them as it stored them */
+        for (int64_t i = 0; i < n; i += 16)
+            best = _mm512_max_ps(best, _mm512_loadu_ps(s + i));
+    else
+        for (int64_t i = 0; i < n; i += 16) {
+            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + i), sv);
+            _mm512_storeu_ps(s + i, x);
+            best = _mm512_max_ps(best, x);
+        }
     const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
     __m512 total = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
@@ -194,7 +202,7 @@ static void attend_tile(const uint16_t *q, uint16_t *out, const uint32_t *kp,
     for (int64_t row = 0; row < rows; row++) {
         const int64_t e = start + t0 + row / group + 1;
         const int64_t f = window > 0 && e > window ? e - window : 0;
-        inv[row] = softmax_row(s + row * n, p + row * n, n, lo, f, e);
+        inv[row] = softmax_row(s + row * n, p + row * n, n, lo, f, e, 1.f); /* scaled */
     }
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
         const int nr = rows - r0 >= 4 ? 4 : (int)(rows - r0);
@@ -218,12 +226,32 @@ static void attend_tile(const uint16_t *q, uint16_t *out, const uint32_t *kp,
 /* 1 where Linux granted the tile state: prompts then take attend_tile_amx. */
 int amx_enable(void) { return amx_request(); }
 
-/* The scores of rows [r0, r0 + mr) against the tile's n slots (n / 16 blocks, even), on
- * the tiles: two slot blocks at a time, dim / 32 steps each. qbuf holds the rows' queries
- * contiguous [mr][dim]. */
+/* The unscaled scores of rows [r0, r0 + mr) against the tile's n slots (n / 16 blocks,
+ * even), on the tiles: two slot blocks at a time, dim / 32 steps each. qbuf holds the
+ * rows' queries contiguous [mr][dim]; softmax_row scales them as it reads them. */
 static void scores_amx(const uint16_t *qbuf, const uint32_t *kt, int64_t n, int64_t dim,
-                       float scale, float *s) {
+                       float *s) {
     const int64_t pairs = dim / 2, steps = dim / 32;
+    if (steps == 2) { /* head size 64: the queries stay in tiles 4 and 5 for every block */
+        _tile_loadd(4, qbuf, dim * 2);
+        _tile_loadd(5, qbuf + 32, dim * 2);
+        for (int64_t b = 0; b < n / 16; b += 2) {
+            const uint32_t *k0 = kt + b * pairs * 16, *k1 = k0 + pairs * 16;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_loadd(6, k0, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, k1, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(6, k0 + 256, 64);
+            _tile_dpbf16ps(0, 5, 6);
+            _tile_loadd(7, k1 + 256, 64);
+            _tile_dpbf16ps(1, 5, 7);
+            _tile_stored(0, s + b * 16, n * 4);
+            _tile_stored(1, s + b * 16 + 16, n * 4);
+        }
+        return;
+    }
     for (int64_t b = 0; b < n / 16; b += 2) {
         const uint32_t *k0 = kt + b * pairs * 16, *k1 = k0 + pairs * 16;
         _tile_zero(0);
@@ -285,7 +313,6 @@ static void attend_tile_amx(const uint16_t *q, uint16_t *out, const uint32_t *kp
     const uint32_t *kt = kp + (lo - base) * dim / 2, *vt = vp + (lo - base) * dim / 2;
     uint16_t qbuf[16 * MAX_DIM] __attribute__((aligned(64)));
     float inv[AMX_TILE_ROWS];
-    const __m512 sv = _mm512_set1_ps(scale);
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
         const int mr = rows - r0 >= 16 ? 16 : (int)(rows - r0);
         if (mr != *configured) {
@@ -297,14 +324,12 @@ static void attend_tile_amx(const uint16_t *q, uint16_t *out, const uint32_t *kp
             memcpy(qbuf + r * dim, q + (t * heads + h * group + row % group) * dim,
                    (size_t)dim * sizeof(uint16_t));
         }
-        scores_amx(qbuf, kt, n, dim, scale, s + r0 * n);
-        for (int64_t i = 0; i < mr * n; i += 16) /* scale as the dot loop: after the sum */
-            _mm512_storeu_ps(s + r0 * n + i, _mm512_mul_ps(_mm512_loadu_ps(s + r0 * n + i), sv));
+        scores_amx(qbuf, kt, n, dim, s + r0 * n);
     }
     for (int64_t row = 0; row < rows; row++) {
         const int64_t e = start + t0 + row / group + 1;
         const int64_t f = window > 0 && e > window ? e - window : 0;
-        inv[row] = softmax_row(s + row * n, p + row * n, n, lo, f, e);
+        inv[row] = softmax_row(s + row * n, p + row * n, n, lo, f, e, scale);
     }
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
         const int mr = rows - r0 >= 16 ? 16 : (int)(rows - r0);
