@@ -99,11 +99,11 @@ def test_the_bits_do_not_depend_on_the_thread_count():
 
 @needs_library
 def test_the_products_take_the_amx_tiles_where_the_cpu_has_them(monkeypatch):
-    """On a CPU with AMX-BF16 the tile loop is on (it is about 10x the dot loop's rate
-    there), and SEQSERVE_AMX=0 is read as off."""
+    """On a CPU with AMX-BF16 the tile loop is on (5-12x the dot loop's rate there), and
+    stays as it was loaded when SEQSERVE_AMX changes later (one loop per process)."""
     assert dpbf16_linear.uses_amx() == ("amx_bf16" in linear_prepack.cpu_flags())
     monkeypatch.setenv("SEQSERVE_AMX", "0")
-    assert not dpbf16_linear.uses_amx()
+    assert dpbf16_linear.uses_amx() == ("amx_bf16" in linear_prepack.cpu_flags())
 
 
 @needs_library

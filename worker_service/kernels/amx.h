@@ -1,8 +1,9 @@
 /* AMX tile registers for the bfloat16 products (Sapphire Rapids and later Xeons).
  *
- * Linux hands the tile state to a process only when asked (arch_prctl), once per process;
- * each library that uses the tiles asks through its own amx_enable() before its first
- * product, and each thread loads a tile configuration before its first tile instruction.
+ * Linux hands the tile state to a process only when asked (arch_prctl); each library that
+ * uses the tiles asks once, through its own amx_enable(), before its first product (the
+ * grant covers every thread of the process), and each thread loads a tile configuration
+ * before its first tile instruction of a call and releases the tiles at its end.
  * One configuration serves every user here:
  *
  *   tiles 0-3  float32 sums, mr rows x 16 columns
@@ -17,6 +18,7 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(HAVE_AVX512_BF16)
 #define HAVE_AMX 1
 #include <immintrin.h>
+#include <stdint.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -38,6 +40,11 @@ struct amx_tile_config {
     uint16_t colsb[16];
     uint8_t rows[16];
 };
+
+/* GCC's _tile_loadd takes its address as a plain value, not as memory it reads: before
+ * tile loads of memory that plain C code has just written, this keeps those stores in
+ * place (the loads of weights and packed KV, written before the call, need none). */
+#define amx_memory_barrier() __asm__ __volatile__("" ::: "memory")
 
 /* Loads the configuration above for mr (1-16) rows on the calling thread. */
 static void amx_configure(int mr) {

@@ -21,10 +21,12 @@
  * On CPUs with AMX (Sapphire Rapids and later), once amx_enable() has been granted the
  * tile registers, products whose k is a multiple of 32 run on the tile unit instead: the
  * packed block's 16 pairs x 16 columns x 2 are exactly a B tile (the VNNI layout), so
- * the same packed weight serves both loops. A tile product sums the pairs in the same
- * kp order, row by row alone, so it too gives every row the same bits at every row
- * count; it is the only loop for such a weight once enabled (the two loops may differ
- * in last bits).
+ * the same packed weight serves both loops. A row's sums depend only on that row and the
+ * fixed 32-position steps of k (the order inside one tile instruction is the hardware's),
+ * so it too gives every row the same bits at every row count; it is the only loop for
+ * such a weight once enabled (the two loops differ in the last bit of a few values).
+ * Past 256 rows the tile loop takes the input in 256-row chunks, each thread streaming
+ * its weights once per chunk, so that the chunk's inputs stay in L2.
  */
 #include <stdint.h>
 
@@ -108,6 +110,18 @@ tile(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t k2, const int mr,
         }                                                                      \
         break;
 
+/* The calling thread's share of `blocks` column blocks, [*lo, *hi): one contiguous range
+ * per thread of the team, so each streams its own weights once. */
+static inline void thread_blocks(int64_t blocks, int64_t *lo, int64_t *hi) {
+    int64_t t = 0, threads = 1;
+#ifdef _OPENMP
+    t = omp_get_thread_num();
+    threads = omp_get_num_threads();
+#endif
+    *lo = blocks * t / threads;
+    *hi = blocks * (t + 1) / threads;
+}
+
 /* Rounds tile sums acc [rows mr][16] (float32, plus bias) to bfloat16 in y's 16
  * columns from c (masked at n): the AVX loop's epilogue. */
 static inline void store_rows(const float *acc, int mr, const uint16_t *bias, uint16_t *y,
@@ -168,31 +182,28 @@ static void linear_amx(const uint16_t *x, const uint16_t *p, const uint16_t *bia
     const int64_t blocks = (n + 15) / 16;
 #pragma omp parallel if (rows * n * k2 >= 32768)
     {
-        int64_t t = 0, threads = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        threads = omp_get_num_threads();
-#endif
-        const int64_t lo = blocks * t / threads, hi = blocks * (t + 1) / threads;
+        int64_t lo, hi;
+        thread_blocks(blocks, &lo, &hi);
         int configured = 0;
-        for (int64_t c0 = 0; c0 < rows; c0 += AMX_ROW_CHUNK)
-        for (int64_t b0 = lo; b0 < hi; b0 += 4) {
-            const int nbk = (int)(hi - b0 < 4 ? hi - b0 : 4);
-            const uint16_t *pb = p + b0 * k2 * 32;
+        for (int64_t c0 = 0; c0 < rows; c0 += AMX_ROW_CHUNK) {
             const int64_t c1 = rows - c0 < AMX_ROW_CHUNK ? rows : c0 + AMX_ROW_CHUNK;
-            for (int64_t r0 = c0; r0 < c1; r0 += 16) {
-                const int mr = (int)(c1 - r0 < 16 ? c1 - r0 : 16);
-                if (mr != configured) {
-                    amx_configure(mr);
-                    configured = mr;
-                }
-                const uint16_t *xr = x + r0 * xs;
-                uint16_t *yr = y + r0 * n;
-                switch (nbk) {
-                case 4: amx_tile(xr, xs, pb, k2, mr, 4, bias, yr, n, b0 * 16); break;
-                case 3: amx_tile(xr, xs, pb, k2, mr, 3, bias, yr, n, b0 * 16); break;
-                case 2: amx_tile(xr, xs, pb, k2, mr, 2, bias, yr, n, b0 * 16); break;
-                default: amx_tile(xr, xs, pb, k2, mr, 1, bias, yr, n, b0 * 16); break;
+            for (int64_t b0 = lo; b0 < hi; b0 += 4) {
+                const int nbk = (int)(hi - b0 < 4 ? hi - b0 : 4);
+                const uint16_t *pb = p + b0 * k2 * 32;
+                for (int64_t r0 = c0; r0 < c1; r0 += 16) {
+                    const int mr = (int)(c1 - r0 < 16 ? c1 - r0 : 16);
+                    if (mr != configured) {
+                        amx_configure(mr);
+                        configured = mr;
+                    }
+                    const uint16_t *xr = x + r0 * xs;
+                    uint16_t *yr = y + r0 * n;
+                    switch (nbk) {
+                    case 4: amx_tile(xr, xs, pb, k2, mr, 4, bias, yr, n, b0 * 16); break;
+                    case 3: amx_tile(xr, xs, pb, k2, mr, 3, bias, yr, n, b0 * 16); break;
+                    case 2: amx_tile(xr, xs, pb, k2, mr, 2, bias, yr, n, b0 * 16); break;
+                    default: amx_tile(xr, xs, pb, k2, mr, 1, bias, yr, n, b0 * 16); break;
+                    }
                 }
             }
         }
@@ -221,12 +232,8 @@ int linear_dpbf16(const uint16_t *x, const uint16_t *p, const uint16_t *bias, ui
     const int64_t k2 = k / 2, blocks = (n + 15) / 16, tiles = (rows + MR - 1) / MR;
 #pragma omp parallel if (rows * n * k >= 65536)
     {
-        int64_t t = 0, threads = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        threads = omp_get_num_threads();
-#endif
-        const int64_t lo = blocks * t / threads, hi = blocks * (t + 1) / threads;
+        int64_t lo, hi;
+        thread_blocks(blocks, &lo, &hi);
         for (int64_t b0 = lo; b0 < hi; b0 += NB) {
             const int nbk = (int)(hi - b0 < NB ? hi - b0 : NB);
             const uint16_t *pb = p + b0 * k2 * 32;

@@ -52,16 +52,19 @@ def library() -> ctypes.CDLL | None:
     if lib is None or not lib.dpbf16_vectorized():
         return None
     if os.environ.get("SEQSERVE_AMX", "1") != "0" and lib.amx_enable():
+        _amx_granted.append(True)
         logger.info("bfloat16 products run on the AMX tiles (SEQSERVE_AMX=0: the AVX512-BF16 "
                     "loop)")
     return lib
 
 
+_amx_granted: list[bool] = []  # set once by library(): the tiles were asked for and granted
+
+
 def uses_amx() -> bool:
-    """Whether the C products run on AMX tiles in this process (k a multiple of 32)."""
-    lib = library()
-    return lib is not None and os.environ.get("SEQSERVE_AMX", "1") != "0" and bool(
-        lib.amx_enable())
+    """Whether the C products run on AMX tiles in this process (k a multiple of 32): fixed
+    when the library loaded, whatever SEQSERVE_AMX says later."""
+    return library() is not None and bool(_amx_granted)
 
 
 def takes(weight: torch.Tensor) -> bool:

@@ -150,21 +150,24 @@ values_rows(const uint16_t *const *pr, int nr, const uint32_t *vp, int64_t pairs
  * (unnormalized, zero outside [first, end)); returns 1 / their float32 sum. */
 static float softmax_row(float *s, uint16_t *p, int64_t n, int64_t lo, int64_t first,
                          int64_t end, float scale) {
-    for (int64_t i = 0; i < first - lo; i++)
-        s[i] = -INFINITY;
-    for (int64_t i = end - lo; i < n; i++)
-        s[i] = -INFINITY;
-    __m512 best = _mm512_set1_ps(-INFINITY);
-    const __m512 sv = _mm512_set1_ps(scale);
-    if (scale == 1.f) /* the dot loop scaled them as it stored them */
-        for (int64_t i = 0; i < n; i += 16)
-            best = _mm512_max_ps(best, _mm512_loadu_ps(s + i));
-    else
-        for (int64_t i = 0; i < n; i += 16) {
-            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + i), sv);
+    const int64_t a = first - lo, b = end - lo; /* the row's slots: [a, b) of s */
+    const __m512 sv = _mm512_set1_ps(scale), none = _mm512_set1_ps(-INFINITY);
+    __m512 best = none;
+    for (int64_t i = 0; i < n; i += 16) {
+        __m512 x = _mm512_loadu_ps(s + i);
+        const int scaled = scale != 1.f; /* the dot loop scaled them as it stored them */
+        if (scaled)
+            x = _mm512_mul_ps(x, sv);
+        if (i < a || i + 16 > b) { /* masked after scaling: -inf whatever the scale */
+            const int64_t from = a - i > 0 ? a - i : 0, to = b - i < 16 ? b - i : 16;
+            const __mmask16 keep = to <= from ? 0 : (__mmask16)(((1u << to) - 1) & ~((1u << from) - 1));
+            x = _mm512_mask_blend_ps(keep, none, x);
             _mm512_storeu_ps(s + i, x);
-            best = _mm512_max_ps(best, x);
+        } else if (scaled) {
+            _mm512_storeu_ps(s + i, x);
         }
+        best = _mm512_max_ps(best, x);
+    }
     const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
     __m512 total = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
@@ -221,7 +224,8 @@ static void attend_tile(const uint16_t *q, uint16_t *out, const uint32_t *kp,
 }
 
 #ifdef HAVE_AMX
-#define AMX_TILE_ROWS 48 /* (token, head) rows per tile: three full 16-row A tiles */
+#define AMX_TILE_ROWS 48 /* (token, head) rows per tile: three full 16-row A tiles where
+                          * the query heads per KV head divide 48 */
 
 /* 1 where Linux granted the tile state: prompts then take attend_tile_amx. */
 int amx_enable(void) { return amx_request(); }
@@ -324,6 +328,7 @@ static void attend_tile_amx(const uint16_t *q, uint16_t *out, const uint32_t *kp
             memcpy(qbuf + r * dim, q + (t * heads + h * group + row % group) * dim,
                    (size_t)dim * sizeof(uint16_t));
         }
+        amx_memory_barrier(); /* the tile loads below read qbuf */
         scores_amx(qbuf, kt, n, dim, s + r0 * n);
     }
     for (int64_t row = 0; row < rows; row++) {
@@ -331,6 +336,7 @@ static void attend_tile_amx(const uint16_t *q, uint16_t *out, const uint32_t *kp
         const int64_t f = window > 0 && e > window ? e - window : 0;
         inv[row] = softmax_row(s + row * n, p + row * n, n, lo, f, e, scale);
     }
+    amx_memory_barrier(); /* the tile loads below read p */
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
         const int mr = rows - r0 >= 16 ? 16 : (int)(rows - r0);
         if (mr != *configured) {
