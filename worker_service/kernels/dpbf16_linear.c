@@ -49,6 +49,20 @@
 
 int dpbf16_vectorized(void) { return 1; }
 
+/* The lanes of the 16 columns from c that exist (c + lane < n). */
+static inline __mmask16 column_mask(int64_t n, int64_t c) {
+    const int64_t left = n - c;
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
+/* The bias of those columns widened to float32 (zeros without a bias). */
+static inline __m512 bias16(const uint16_t *bias, __mmask16 mask, int64_t c) {
+    if (!bias)
+        return _mm512_setzero_ps();
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c)), 16));
+}
+
 /* The next block group's weights, fetched into cache while this group computes: its
  * first `blocks` blocks at p; a tile fetches the pairs kp = phase, phase + every, ...,
  * so the `every` row tiles of a group share the fetching evenly. */
@@ -88,12 +102,9 @@ tile(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t k2, const int mr,
         }
     }
     for (int b = 0; b < nbk; b++) {
-        const int64_t c = col0 + b * 16, left = n - c;
-        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-        __m512 bv = _mm512_setzero_ps();
-        if (bias)
-            bv = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c)), 16));
+        const int64_t c = col0 + b * 16;
+        const __mmask16 mask = column_mask(n, c);
+        const __m512 bv = bias16(bias, mask, c);
         for (int m = 0; m < mr; m++)
             _mm256_mask_storeu_epi16(y + m * n + c, mask,
                                      (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][b], bv)));
@@ -126,12 +137,8 @@ static inline void thread_blocks(int64_t blocks, int64_t *lo, int64_t *hi) {
  * columns from c (masked at n): the AVX loop's epilogue. */
 static inline void store_rows(const float *acc, int mr, const uint16_t *bias, uint16_t *y,
                               int64_t n, int64_t c) {
-    const int64_t left = n - c;
-    const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-    __m512 bv = _mm512_setzero_ps();
-    if (bias)
-        bv = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c)), 16));
+    const __mmask16 mask = column_mask(n, c);
+    const __m512 bv = bias16(bias, mask, c);
     for (int m = 0; m < mr; m++)
         _mm256_mask_storeu_epi16(y + m * n + c, mask,
                                  (__m256i)_mm512_cvtneps_pbh(
