@@ -61,6 +61,15 @@ static void amx_configure(int mr) {
     }
     _tile_loadconfig(&cfg);
 }
+
+/* Loads the configuration for mr rows unless the calling thread's tiles (*configured rows,
+ * 0: none yet) already have it. */
+static inline void amx_ensure(int *configured, int mr) {
+    if (mr != *configured) {
+        amx_configure(mr);
+        *configured = mr;
+    }
+}
 #endif
 
 #endif

@@ -199,10 +199,7 @@ static void linear_amx(const uint16_t *x, const uint16_t *p, const uint16_t *bia
                 const uint16_t *pb = p + b0 * k2 * 32;
                 for (int64_t r0 = c0; r0 < c1; r0 += 16) {
                     const int mr = (int)(c1 - r0 < 16 ? c1 - r0 : 16);
-                    if (mr != configured) {
-                        amx_configure(mr);
-                        configured = mr;
-                    }
+                    amx_ensure(&configured, mr);
                     const uint16_t *xr = x + r0 * xs;
                     uint16_t *yr = y + r0 * n;
                     switch (nbk) {

@@ -84,6 +84,13 @@ static void pack_block(const uint16_t *kh, const uint16_t *vh, uint32_t *kp, uin
     }
 }
 
+/* The index of a tile's (token, head) row `row` in q and out [tokens, heads]: tokens from
+ * t0, the `group` query heads of KV head h. */
+static inline int64_t head_row(int64_t row, int64_t t0, int64_t h, int64_t heads,
+                               int64_t group) {
+    return (t0 + row / group) * heads + h * group + row % group;
+}
+
 /* Scores of nr (<= 4) query rows against `blocks` blocks of 16 slots, two at a time
  * (blocks even): s[r][slot] = scale * q_r . k_slot. */
 static inline __attribute__((always_inline)) void
@@ -178,6 +185,19 @@ static float softmax_row(float *s, uint16_t *p, int64_t n, int64_t lo, int64_t f
     return 1.f / _mm512_reduce_add_ps(total);
 }
 
+/* softmax_row for a tile's rows (row stride n): row r is a query of the token at slot
+ * first_slot + r / group, which sees up to its own slot, the last `window` slots when set;
+ * inv[r] = 1 / its sum. */
+static void softmax_rows(float *s, uint16_t *p, float *inv, int64_t rows, int64_t n,
+                         int64_t lo, int64_t first_slot, int64_t group, int64_t window,
+                         float scale) {
+    for (int64_t row = 0; row < rows; row++) {
+        const int64_t e = first_slot + row / group + 1;
+        const int64_t f = window > 0 && e > window ? e - window : 0;
+        inv[row] = softmax_row(s + row * n, p + row * n, n, lo, f, e, scale);
+    }
+}
+
 /* One tile: tokens [t0, t1) of kv head h with its `group` query heads. */
 static void attend_tile(const uint16_t *q, uint16_t *out, const uint32_t *kp,
                         const uint32_t *vp, int64_t base, int64_t start, int64_t t0,
@@ -193,8 +213,8 @@ static void attend_tile(const uint16_t *q, uint16_t *out, const uint32_t *kp,
         const uint16_t *qr[4];
         float *sr[4];
         for (int r = 0; r < nr; r++) {
-            const int64_t row = r0 + r, t = t0 + row / group;
-            qr[r] = q + (t * heads + h * group + row % group) * dim;
+            const int64_t row = r0 + r;
+            qr[r] = q + head_row(row, t0, h, heads, group) * dim;
             sr[r] = s + row * n;
         }
         if (dim == 64)
@@ -202,19 +222,15 @@ static void attend_tile(const uint16_t *q, uint16_t *out, const uint32_t *kp,
         else
             scores_rows(qr, nr, kt, n / 16, dim, scale, sr);
     }
-    for (int64_t row = 0; row < rows; row++) {
-        const int64_t e = start + t0 + row / group + 1;
-        const int64_t f = window > 0 && e > window ? e - window : 0;
-        inv[row] = softmax_row(s + row * n, p + row * n, n, lo, f, e, 1.f); /* scaled */
-    }
+    softmax_rows(s, p, inv, rows, n, lo, start + t0, group, window, 1.f); /* scaled */
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
         const int nr = rows - r0 >= 4 ? 4 : (int)(rows - r0);
         const uint16_t *pr[4];
         uint16_t *o[4];
         for (int r = 0; r < nr; r++) {
-            const int64_t row = r0 + r, t = t0 + row / group;
+            const int64_t row = r0 + r;
             pr[r] = p + row * n;
-            o[r] = out + (t * heads + h * group + row % group) * dim;
+            o[r] = out + head_row(row, t0, h, heads, group) * dim;
         }
         if (dim == 64)
             values_rows(pr, nr, vt, n / 2, 64, inv + r0, o);
@@ -319,43 +335,26 @@ static void attend_tile_amx(const uint16_t *q, uint16_t *out, const uint32_t *kp
     float inv[AMX_TILE_ROWS];
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
         const int mr = rows - r0 >= 16 ? 16 : (int)(rows - r0);
-        if (mr != *configured) {
-            amx_configure(mr);
-            *configured = mr;
-        }
-        for (int r = 0; r < mr; r++) {
-            const int64_t row = r0 + r, t = t0 + row / group;
-            memcpy(qbuf + r * dim, q + (t * heads + h * group + row % group) * dim,
+        amx_ensure(configured, mr);
+        for (int r = 0; r < mr; r++)
+            memcpy(qbuf + r * dim, q + head_row(r0 + r, t0, h, heads, group) * dim,
                    (size_t)dim * sizeof(uint16_t));
-        }
         amx_memory_barrier(); /* the tile loads below read qbuf */
         scores_amx(qbuf, kt, n, dim, s + r0 * n);
     }
-    for (int64_t row = 0; row < rows; row++) {
-        const int64_t e = start + t0 + row / group + 1;
-        const int64_t f = window > 0 && e > window ? e - window : 0;
-        inv[row] = softmax_row(s + row * n, p + row * n, n, lo, f, e, scale);
-    }
+    softmax_rows(s, p, inv, rows, n, lo, start + t0, group, window, scale);
     amx_memory_barrier(); /* the tile loads below read p */
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
         const int mr = rows - r0 >= 16 ? 16 : (int)(rows - r0);
-        if (mr != *configured) {
-            amx_configure(mr);
-            *configured = mr;
-        }
+        amx_ensure(configured, mr);
         uint16_t *o[16];
-        for (int r = 0; r < mr; r++) {
-            const int64_t row = r0 + r, t = t0 + row / group;
-            o[r] = out + (t * heads + h * group + row % group) * dim;
-        }
-        for (int64_t c0 = 0; c0 < dim; c0 += 64) {
-            const int cv = dim - c0 >= 64 ? 4 : (int)((dim - c0) / 16);
-            switch (cv) {
-            case 4: values_amx(p + r0 * n, n, vt, dim, c0, 4, mr, inv + r0, o); break;
-            case 3: values_amx(p + r0 * n, n, vt, dim, c0, 3, mr, inv + r0, o); break;
-            case 2: values_amx(p + r0 * n, n, vt, dim, c0, 2, mr, inv + r0, o); break;
-            default: values_amx(p + r0 * n, n, vt, dim, c0, 1, mr, inv + r0, o); break;
-            }
+        for (int r = 0; r < mr; r++)
+            o[r] = out + head_row(r0 + r, t0, h, heads, group) * dim;
+        for (int64_t c0 = 0; c0 < dim; c0 += 64) { /* dim % 32 == 0: 64 or a last 32 */
+            if (dim - c0 >= 64)
+                values_amx(p + r0 * n, n, vt, dim, c0, 4, mr, inv + r0, o);
+            else
+                values_amx(p + r0 * n, n, vt, dim, c0, 2, mr, inv + r0, o);
         }
     }
 }
@@ -409,7 +408,9 @@ int prompt_attention_tiled_bf16(const uint16_t *q, const uint16_t *k, const uint
 #pragma omp parallel if (tokens * heads >= 2 * MIN_PAIRS_PER_THREAD)
     {
         const size_t cells = (size_t)tile_rows * (size_t)(span + 32);
+#ifdef HAVE_AMX
         int configured = 0; /* the AMX rows this thread's tiles are set for */
+#endif
         float *s = malloc(sizeof(float) * cells);
         uint16_t *p = malloc(sizeof(uint16_t) * cells);
         if (!s || !p) {
