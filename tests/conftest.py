@@ -38,12 +38,15 @@ needs_onednn_bf16 = pytest.mark.skipif(
 
 
 def _has_amx() -> bool:
+    """The CPU has AMX-BF16 and the run has not switched the tiles off (SEQSERVE_AMX=0)."""
     from worker_service.kernels import linear_prepack
 
-    return "amx_bf16" in linear_prepack.cpu_flags()
+    return ("amx_bf16" in linear_prepack.cpu_flags()
+            and os.environ.get("SEQSERVE_AMX", "1") != "0")
 
 
-needs_amx = pytest.mark.skipif(not _has_amx(), reason="no AMX-BF16 on this CPU")
+needs_amx = pytest.mark.skipif(not _has_amx(),
+                               reason="no AMX-BF16 on this CPU, or SEQSERVE_AMX=0")
 
 
 def without_amx(tmp_path: Path, script: str, *tensors):
