@@ -17,9 +17,9 @@ def test_partition_changes_keep_outputs_exact_and_metrics_move(llama_dir, deploy
     samples: list[dict[str, float]] = []
 
     async def run():
-        async def sampler():
-            for _ in range(40):
-                await asyncio.sleep(0.25)
+        async def sampler():  # dense enough to see the gauge move in a short, fast run
+            for _ in range(1200):
+                await asyncio.sleep(0.05)
                 samples.append(await asyncio.to_thread(scrape, d.metrics_url))
         task = asyncio.create_task(sampler())
         replies = await _run_staggered(d.address, requests, seed=3, spread_s=3.0)
