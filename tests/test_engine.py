@@ -371,8 +371,10 @@ def test_tiled_prompt_attention_reads_only_written_slots_and_ignores_chunking(
 @needs_amx
 def test_tiled_prompt_attention_runs_on_the_amx_tiles_where_the_cpu_has_them(tmp_path):
     """With AMX the tiles' two products run on the tile unit: the same exact products
-    summed in the same order, rounded otherwise in the last bits, so a few outputs differ
-    from the dot loop's (a worker started with SEQSERVE_AMX=0) by a bfloat16 step."""
+    summed in the same order, rounded otherwise in the last bits, and a shorter exponential
+    in the softmax (relative error 1.1e-7), so a few outputs differ from the dot loop's (a
+    worker started with SEQSERVE_AMX=0) by a bfloat16 step; a wrong exponential (0.4%
+    off) changes far more of them."""
     from worker_service.kernels import native_attention
 
     g = torch.Generator().manual_seed(5)

@@ -33,7 +33,8 @@
  * dimensions are B tiles as they lie, the tile's query rows (gathered contiguous) and
  * probabilities the A tiles; tiles of up to 48 (token, head) rows. The same exact
  * products are summed in float32 in the same order per query, rounded otherwise than the
- * dot instruction in the last bits: once enabled, every prompt piece takes the tiles.
+ * dot instruction in the last bits, and the softmax takes a shorter exponential (2^x
+ * through vscalefps, within 1.1e-7): once enabled, every prompt piece takes the tiles.
  */
 #include <math.h>
 #include <stdint.h>
@@ -246,6 +247,57 @@ static void attend_tile(const uint16_t *q, uint16_t *out, const uint32_t *kp,
 /* 1 where Linux granted the tile state: prompts then take attend_tile_amx. */
 int amx_enable(void) { return amx_request(); }
 
+/* 2^t for finite t <= 0 (up to a rounding above); 0 far below. A degree-5 fit of 2^f on
+ * [-1/2, 1/2] (relative error 1.1e-7) scaled by 2^n, n = t rounded (vscalefps underflows
+ * to 0 where 2^n is out of range): about half of exp_le0's instructions. */
+static inline __m512 exp2_le0(__m512 t) {
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.32647227e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.67151299e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55073358e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40222424e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147004e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Lanes i + j (j < 16) inside [from, to). */
+static inline __mmask16 lane_mask(int64_t i, int64_t from, int64_t to) {
+    const int64_t a = from - i > 0 ? from - i : 0, b = to - i < 16 ? to - i : 16;
+    return b <= a ? 0 : (__mmask16)(((1u << b) - 1) & ~((1u << a) - 1));
+}
+
+/* softmax_row for the tiles' unscaled scores s[0, n) (n a multiple of 32, every score
+ * finite: slots past the row's last hold packed zeros or keys): the maximum over the
+ * row's slots [first, end) read without a store, then 2^(c * score - c * max), c = scale /
+ * ln 2 (scale > 0), rounded to bfloat16 two vectors at a time, 0 outside the row's slots.
+ * Returns 1 / their float32 sum. */
+static float softmax_row_amx(const float *s, uint16_t *p, int64_t n, int64_t lo,
+                             int64_t first, int64_t end, float scale) {
+    const int64_t from = first - lo, to = end - lo;
+    const float c = scale * 1.44269504f;
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = from / 16 * 16; i < to; i += 16)
+        best = _mm512_mask_max_ps(best, lane_mask(i, from, to), best, _mm512_loadu_ps(s + i));
+    const __m512 cv = _mm512_set1_ps(c), top = _mm512_set1_ps(_mm512_reduce_max_ps(best) * c);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 32) {
+        __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
+        if (i + 32 > from && i < to) {
+            e0 = exp2_le0(_mm512_fmsub_ps(_mm512_loadu_ps(s + i), cv, top));
+            e1 = exp2_le0(_mm512_fmsub_ps(_mm512_loadu_ps(s + i + 16), cv, top));
+            if (i < from || i + 32 > to) {
+                e0 = _mm512_maskz_mov_ps(lane_mask(i, from, to), e0);
+                e1 = _mm512_maskz_mov_ps(lane_mask(i + 16, from, to), e1);
+            }
+            total = _mm512_add_ps(total, _mm512_add_ps(e0, e1));
+        }
+        _mm512_storeu_si512(p + i, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    }
+    return 1.f / _mm512_reduce_add_ps(total);
+}
+
 /* The unscaled scores of rows [r0, r0 + mr) against the tile's n slots (n / 16 blocks,
  * even), on the tiles: two slot blocks at a time, dim / 32 steps each. qbuf holds the
  * rows' queries contiguous [mr][dim]; softmax_row scales them as it reads them. */
@@ -342,7 +394,11 @@ static void attend_tile_amx(const uint16_t *q, uint16_t *out, const uint32_t *kp
         amx_memory_barrier(); /* the tile loads below read qbuf */
         scores_amx(qbuf, kt, n, dim, s + r0 * n);
     }
-    softmax_rows(s, p, inv, rows, n, lo, start + t0, group, window, scale);
+    for (int64_t row = 0; row < rows; row++) {
+        const int64_t e = start + t0 + row / group + 1;
+        const int64_t f = window > 0 && e > window ? e - window : 0;
+        inv[row] = softmax_row_amx(s + row * n, p + row * n, n, lo, f, e, scale);
+    }
     amx_memory_barrier(); /* the tile loads below read p */
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
         const int mr = rows - r0 >= 16 ? 16 : (int)(rows - r0);
@@ -377,7 +433,7 @@ int prompt_attention_tiled_bf16(const uint16_t *q, const uint16_t *k, const uint
         return 0;
     const int64_t group = heads / kv_heads, end = start + tokens;
 #ifdef HAVE_AMX
-    const int amx = amx_granted;
+    const int amx = amx_granted && scale > 0.f; /* softmax_row_amx scales after max() */
     const int64_t tile_rows = amx ? AMX_TILE_ROWS : TILE_ROWS;
 #else
     const int amx = 0;
