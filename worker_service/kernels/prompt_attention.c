@@ -31,10 +31,11 @@
  * With AMX (amx_enable() granted), the two products of a tile run on the tile unit: the
  * packed keys' 16 dimension pairs x 16 slots and the packed values' 16 slot pairs x 16
  * dimensions are B tiles as they lie, the tile's query rows (gathered contiguous) and
- * probabilities the A tiles; tiles of up to 48 (token, head) rows. The same exact
- * products are summed in float32 in the same order per query, rounded otherwise than the
- * dot instruction in the last bits, and the softmax takes a shorter exponential (2^x
- * through vscalefps, within 1.1e-7): once enabled, every prompt piece takes the tiles.
+ * probabilities the A tiles; tiles of up to 64 (token, head) rows in groups of 32 (two A
+ * tiles times two B tiles: each tile load feeds two products). The same exact products are
+ * summed in float32 in the same order per query, rounded otherwise than the dot
+ * instruction in the last bits, and the softmax takes a shorter exponential (2^x through
+ * vscalefps, within 1.1e-7): once enabled, every prompt piece takes the tiles.
  */
 #include <math.h>
 #include <stdint.h>
@@ -241,8 +242,8 @@ static void attend_tile(const uint16_t *q, uint16_t *out, const uint32_t *kp,
 }
 
 #ifdef HAVE_AMX
-#define AMX_TILE_ROWS 48 /* (token, head) rows per tile: three full 16-row A tiles where
-                          * the query heads per KV head divide 48 */
+#define AMX_TILE_ROWS 64 /* (token, head) rows per tile: two groups of 32 (two 16-row A
+                          * tiles each) */
 
 /* 1 where Linux granted the tile state: prompts then take attend_tile_amx. */
 int amx_enable(void) { return amx_request(); }
@@ -298,82 +299,74 @@ static float softmax_row_amx(const float *s, uint16_t *p, int64_t n, int64_t lo,
     return 1.f / _mm512_reduce_add_ps(total);
 }
 
-/* The unscaled scores of rows [r0, r0 + mr) against the tile's n slots (n / 16 blocks,
- * even), on the tiles: two slot blocks at a time, dim / 32 steps each. qbuf holds the
- * rows' queries contiguous [mr][dim]; softmax_row scales them as it reads them. */
+/* The unscaled scores of a 32-row group (qbuf: [32][dim] contiguous) against n slots (a
+ * multiple of 32) of packed keys kt, into s (row stride n floats; softmax_row_amx scales
+ * them). Two 16-row A tiles (4, 5) times two 16-slot key blocks (6, 7), dim / 32 steps:
+ * each tile load feeds two products. */
 static void scores_amx(const uint16_t *qbuf, const uint32_t *kt, int64_t n, int64_t dim,
                        float *s) {
-    const int64_t pairs = dim / 2, steps = dim / 32;
-    if (steps == 2) { /* head size 64: the queries stay in tiles 4 and 5 for every block */
-        _tile_loadd(4, qbuf, dim * 2);
-        _tile_loadd(5, qbuf + 32, dim * 2);
-        for (int64_t b = 0; b < n / 16; b += 2) {
-            const uint32_t *k0 = kt + b * pairs * 16, *k1 = k0 + pairs * 16;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_loadd(6, k0, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(7, k1, 64);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_loadd(6, k0 + 256, 64);
-            _tile_dpbf16ps(0, 5, 6);
-            _tile_loadd(7, k1 + 256, 64);
-            _tile_dpbf16ps(1, 5, 7);
-            _tile_stored(0, s + b * 16, n * 4);
-            _tile_stored(1, s + b * 16 + 16, n * 4);
-        }
-        return;
-    }
+    const int64_t step = dim * 8; /* uint32 per 16-slot block */
     for (int64_t b = 0; b < n / 16; b += 2) {
-        const uint32_t *k0 = kt + b * pairs * 16, *k1 = k0 + pairs * 16;
         _tile_zero(0);
         _tile_zero(1);
-        for (int64_t d = 0; d < steps; d++) {
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t d = 0; d < dim / 32; d++) {
+            const uint32_t *k = kt + b * step + d * 256;
             _tile_loadd(4, qbuf + d * 32, dim * 2);
-            _tile_loadd(6, k0 + d * 256, 64);
+            _tile_loadd(6, k, 64);
             _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(7, k1 + d * 256, 64);
+            _tile_loadd(7, k + step, 64);
             _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, qbuf + 16 * dim + d * 32, dim * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
         }
         _tile_stored(0, s + b * 16, n * 4);
         _tile_stored(1, s + b * 16 + 16, n * 4);
+        _tile_stored(2, s + 16 * n + b * 16, n * 4);
+        _tile_stored(3, s + 16 * n + b * 16 + 16, n * 4);
     }
 }
 
-/* Rows [0, mr) of p (row stride n) times the packed values, dimensions [c0, c0 + 16 * cv)
- * (cv <= 4), each output row scaled by inv[r] and rounded into o[r]. */
-static inline __attribute__((always_inline)) void
-values_amx(const uint16_t *p, int64_t n, const uint32_t *vt, int64_t dim, int64_t c0,
-           const int cv, int mr, const float *inv, uint16_t *const *o) {
-    _tile_zero(0);
-    if (cv > 1) _tile_zero(1);
-    if (cv > 2) _tile_zero(2);
-    if (cv > 3) _tile_zero(3);
-    for (int64_t st = 0; st < n / 32; st++) {
-        const uint32_t *v = vt + st * 16 * dim + c0;
-        _tile_loadd(5, p + st * 32, n * 2);
-        _tile_loadd(6, v, dim * 4);
-        _tile_dpbf16ps(0, 5, 6);
-        if (cv > 1) { _tile_loadd(7, v + 16, dim * 4); _tile_dpbf16ps(1, 5, 7); }
-        if (cv > 2) { _tile_loadd(6, v + 32, dim * 4); _tile_dpbf16ps(2, 5, 6); }
-        if (cv > 3) { _tile_loadd(7, v + 48, dim * 4); _tile_dpbf16ps(3, 5, 7); }
-    }
-    float acc[4][16 * 16] __attribute__((aligned(64)));
-    _tile_stored(0, acc[0], 64);
-    if (cv > 1) _tile_stored(1, acc[1], 64);
-    if (cv > 2) _tile_stored(2, acc[2], 64);
-    if (cv > 3) _tile_stored(3, acc[3], 64);
-    for (int r = 0; r < mr; r++) {
-        const __m512 scale = _mm512_set1_ps(inv[r]);
-        for (int c = 0; c < cv; c++)
-            _mm256_storeu_si256((__m256i *)(o[r] + c0 + c * 16),
-                                (__m256i)_mm512_cvtneps_pbh(
-                                    _mm512_mul_ps(_mm512_load_ps(acc[c] + r * 16), scale)));
+/* A 32-row group's probabilities p (row stride n) times the packed values vt, 32
+ * dimensions at a time (two 16-row A tiles times two 16-dimension value tiles); the first
+ * mr rows scaled by inv[r] and rounded into o[r]. */
+static void values_amx(const uint16_t *p, int64_t n, const uint32_t *vt, int64_t dim,
+                       int mr, const float *inv, uint16_t *const *o) {
+    float acc[32 * 32] __attribute__((aligned(64)));
+    for (int64_t d0 = 0; d0 < dim; d0 += 32) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t st = 0; st < n / 32; st++) {
+            const uint32_t *v = vt + st * 16 * dim + d0;
+            _tile_loadd(4, p + st * 32, n * 2);
+            _tile_loadd(6, v, dim * 4);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, v + 16, dim * 4);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, p + 16 * n + st * 32, n * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, acc, 128);
+        _tile_stored(1, acc + 16, 128);
+        _tile_stored(2, acc + 16 * 32, 128);
+        _tile_stored(3, acc + 16 * 32 + 16, 128);
+        amx_memory_barrier(); /* acc, stored by the tiles, is read below */
+        for (int r = 0; r < mr; r++)
+            _mm512_storeu_si512(o[r] + d0, (__m512i)_mm512_cvtne2ps_pbh(
+                _mm512_mul_ps(_mm512_load_ps(acc + r * 32 + 16), _mm512_set1_ps(inv[r])),
+                _mm512_mul_ps(_mm512_load_ps(acc + r * 32), _mm512_set1_ps(inv[r]))));
     }
 }
 
-/* attend_tile on the tiles; *configured: the row count the calling thread's tiles are
- * configured for (0: none yet). */
+/* attend_tile on the tiles, 32 rows at a time; *configured: the rows the calling thread's
+ * tiles are configured for (0: none yet). Whole 16-row tiles always: a group's rows past
+ * the tile's last are computed from stale buffer rows (s and p hold a multiple of 32
+ * rows) and never written out. */
 static void attend_tile_amx(const uint16_t *q, uint16_t *out, const uint32_t *kp,
                             const uint32_t *vp, int64_t base, int64_t start, int64_t t0,
                             int64_t t1, int64_t h, int64_t heads, int64_t group, int64_t dim,
@@ -383,35 +376,30 @@ static void attend_tile_amx(const uint16_t *q, uint16_t *out, const uint32_t *kp
     const int64_t lo = window > 0 && first0 > 0 ? first0 / 32 * 32 : 0;
     const int64_t n = (end + 31) / 32 * 32 - lo, rows = (t1 - t0) * group;
     const uint32_t *kt = kp + (lo - base) * dim / 2, *vt = vp + (lo - base) * dim / 2;
-    uint16_t qbuf[16 * MAX_DIM] __attribute__((aligned(64)));
+    uint16_t qbuf[32 * MAX_DIM] __attribute__((aligned(64)));
     float inv[AMX_TILE_ROWS];
-    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-        const int mr = rows - r0 >= 16 ? 16 : (int)(rows - r0);
-        amx_ensure(configured, mr);
+    amx_ensure(configured, 16);
+    for (int64_t r0 = 0; r0 < rows; r0 += 32) {
+        const int mr = rows - r0 >= 32 ? 32 : (int)(rows - r0);
         for (int r = 0; r < mr; r++)
             memcpy(qbuf + r * dim, q + head_row(r0 + r, t0, h, heads, group) * dim,
                    (size_t)dim * sizeof(uint16_t));
         amx_memory_barrier(); /* the tile loads below read qbuf */
         scores_amx(qbuf, kt, n, dim, s + r0 * n);
     }
+    amx_memory_barrier(); /* the softmax reads the scores the tiles stored */
     for (int64_t row = 0; row < rows; row++) {
         const int64_t e = start + t0 + row / group + 1;
         const int64_t f = window > 0 && e > window ? e - window : 0;
         inv[row] = softmax_row_amx(s + row * n, p + row * n, n, lo, f, e, scale);
     }
     amx_memory_barrier(); /* the tile loads below read p */
-    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-        const int mr = rows - r0 >= 16 ? 16 : (int)(rows - r0);
-        amx_ensure(configured, mr);
-        uint16_t *o[16];
+    for (int64_t r0 = 0; r0 < rows; r0 += 32) {
+        const int mr = rows - r0 >= 32 ? 32 : (int)(rows - r0);
+        uint16_t *o[32];
         for (int r = 0; r < mr; r++)
             o[r] = out + head_row(r0 + r, t0, h, heads, group) * dim;
-        for (int64_t c0 = 0; c0 < dim; c0 += 64) { /* dim % 32 == 0: 64 or a last 32 */
-            if (dim - c0 >= 64)
-                values_amx(p + r0 * n, n, vt, dim, c0, 4, mr, inv + r0, o);
-            else
-                values_amx(p + r0 * n, n, vt, dim, c0, 2, mr, inv + r0, o);
-        }
+        values_amx(p + r0 * n, n, vt, dim, mr, inv + r0, o);
     }
 }
 #endif
