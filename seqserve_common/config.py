@@ -165,6 +165,12 @@ OPTIONS: tuple[Option, ...] = (
            "max_new_tokens when a request does not say"),
     Option("kv_cache_bytes", int, "an integer >= 1", lambda v: v >= 1,
            "worker memory for KV caches (bytes; on CPU one region mapped at start)"),
+    Option("kv_arena_headroom", ov.finite_float, "a number >= 1", lambda v: v >= 1,
+           "CPU worker: the region mapped at start for the KV groups' buffers is "
+           "kv_cache_bytes times this. The scheduler admits kv_cache_bytes of KV tokens; "
+           "the groups' buffers also hold padding (rows padded to the longest) and room to "
+           "grow, which past the region come from the heap, slower to map (1: map exactly "
+           "kv_cache_bytes)"),
     Option("prompt_cache_bytes", int, "an integer >= 0", lambda v: v >= 0,
            "worker memory for cached prompt prefixes (bytes)"),
     Option("prompt_cache_block_tokens", int, "an integer in [1, 1024]",
@@ -265,6 +271,7 @@ class ServingConfig:
     max_new_tokens_limit: int = 4096
     default_max_new_tokens: int = 64
     kv_cache_bytes: int = 4 << 30
+    kv_arena_headroom: float = 1.5
     prompt_cache_bytes: int = 512 << 20
     prompt_cache_block_tokens: int = 16
     swap_space_bytes: int = -1

@@ -65,6 +65,8 @@ def test_env_overrides_file_and_flags_override_env(tmp_path):
     ("option.max_num_batched_tokens=0", "option.max_num_batched_tokens"),
     ("option.max_num_batched_tokens=-16", "option.max_num_batched_tokens"),
     ("option.enable_chunked_prefill=sometimes", "option.enable_chunked_prefill"),
+    ("option.kv_arena_headroom=0.5", "option.kv_arena_headroom"),
+    ("option.kv_arena_headroom=inf", "option.kv_arena_headroom"),
 ])
 def test_bad_values_name_key_and_value(tmp_path, line, key):
     path = tmp_path / "serving.properties"

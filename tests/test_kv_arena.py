@@ -227,3 +227,16 @@ def test_the_worker_exports_what_the_arena_counts():
     value = m.registry.get_sample_value
     assert value("seqserve_worker_kv_arena_compactions_total") == 5
     assert value("seqserve_worker_kv_arena_misses_total") == 1
+
+
+def test_the_arena_maps_the_kv_budget_times_its_headroom():
+    """The scheduler admits kv_cache_bytes of KV tokens; the CPU worker maps that times
+    kv_arena_headroom for the padded, growing group buffers (none on a GPU)."""
+    from seqserve_common.config import ServingConfig
+    from worker_service.kv_arena import kv_arena
+
+    cfg = ServingConfig(kv_cache_bytes=4 << 20, kv_arena_headroom=1.5)
+    assert kv_arena(cfg, torch.device("cpu")).capacity_bytes == 6 << 20
+    exact = ServingConfig(kv_cache_bytes=4 << 20, kv_arena_headroom=1.0)
+    assert kv_arena(exact, torch.device("cpu")).capacity_bytes == 4 << 20
+    assert kv_arena(cfg, torch.device("meta")) is None

@@ -7,7 +7,9 @@ and on this project's machines each fresh 4 KiB page costs some 5 us to fault in
 (docs/benchmarks.md, session 23: 0.85 GB faulted in one Mooncake run, 1.7-2.5 s of
 reallocation). Here the groups' buffers come from one region the worker owns and maps at
 start, as vLLM's CPU backend allocates its KV space at start, and the prefix cache keeps
-the heap to itself. Each buffer takes one extent, first fit; where no hole is long enough
+the heap to itself. The region is option.kv_cache_bytes (the KV tokens the scheduler
+admits) times option.kv_arena_headroom (the padding and growth room of the groups'
+buffers, see kv_arena()). Each buffer takes one extent, first fit; where no hole is long enough
 but the free bytes are, the held extents are moved down to close the holes, and only a
 buffer larger than the free bytes comes from the heap instead (still correct, only
 slower; the first such miss is logged). Only the CPU worker has one
@@ -28,6 +30,8 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
+
+from seqserve_common.config import ServingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +179,18 @@ class KVArena:
                 gc.enable()
 
 
-def kv_arena(capacity_bytes: int, device: torch.device) -> KVArena | None:
-    """The worker's arena for option.kv_cache_bytes: on CPU only (see above)."""
-    return KVArena(capacity_bytes) if device.type == "cpu" else None
+def kv_arena(cfg: ServingConfig, device: torch.device) -> KVArena | None:
+    """The worker's arena, on CPU only (see above): option.kv_cache_bytes times
+    option.kv_arena_headroom. The scheduler admits kv_cache_bytes of KV tokens, but the
+    groups' buffers are padded (rows to the longest, within max_sparsity) and grown with
+    headroom (KVGroup.ensure_capacity), so they need more; a buffer past the arena comes
+    from the heap, whose fresh pages fault as they are first written (on a prompt-heavy
+    trace, Mooncake on SmolLM2, an arena of 1x spent twice the time regrouping of 1.5x:
+    docs/benchmarks.md, session 27)."""
+    if device.type != "cpu":
+        return None
+    capacity = int(cfg.kv_cache_bytes * cfg.kv_arena_headroom)
+    logger.info("KV arena: %d bytes mapped (option.kv_cache_bytes %d x kv_arena_headroom %g)",
+                capacity, cfg.kv_cache_bytes, cfg.kv_arena_headroom)
+    return KVArena(capacity)
 

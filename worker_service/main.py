@@ -74,7 +74,7 @@ def follower_main(cfg, me: tp.Rank, device: str) -> int:
     engine = Engine(runner, PrefixCache(runner.kv_shape, cfg.prompt_cache_bytes,
                                         cfg.prompt_cache_block_tokens),
                     swap=swap_space(cfg.swap_space_bytes, runner.device),
-                    arena=kv_arena(cfg.kv_cache_bytes, runner.device))
+                    arena=kv_arena(cfg, runner.device))
     code = follow(engine)
     logger.info("rank %d exits (%d)", me.rank, code)
     return code
@@ -216,10 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     # (docs/benchmarks.md, session 23). Groups take their buffers from this region; the
     # heap, mapped in the warm-up, keeps the prefix cache's blocks.
     try:
-        arena = kv_arena(cfg.kv_cache_bytes, runner.device)
+        arena = kv_arena(cfg, runner.device)
     except RuntimeError:
-        logger.exception("could not map option.kv_cache_bytes=%d of host memory for KV; "
-                         "lower it to what this machine has free", cfg.kv_cache_bytes)
+        logger.exception("could not map option.kv_cache_bytes=%d x option.kv_arena_headroom="
+                         "%g of host memory for KV; lower them to what this machine has free",
+                         cfg.kv_cache_bytes, cfg.kv_arena_headroom)
         server.stop(0)
         return 1
     engine = Engine(runner, prefix_cache, probe, swap, arena)
