@@ -37,7 +37,7 @@ needs_onednn_bf16 = pytest.mark.skipif(
     "compute in float32 here")
 
 
-def _has_amx() -> bool:
+def amx_on() -> bool:
     """The CPU has AMX-BF16 and the run has not switched the tiles off (SEQSERVE_AMX=0)."""
     from worker_service.kernels import linear_prepack
 
@@ -45,7 +45,7 @@ def _has_amx() -> bool:
             and os.environ.get("SEQSERVE_AMX", "1") != "0")
 
 
-needs_amx = pytest.mark.skipif(not _has_amx(),
+needs_amx = pytest.mark.skipif(not amx_on(),
                                reason="no AMX-BF16 on this CPU, or SEQSERVE_AMX=0")
 
 

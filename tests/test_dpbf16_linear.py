@@ -1,14 +1,13 @@
 """The C bfloat16 product over pair-packed weights (kernels/dpbf16_linear.py) against float64
 and oneDNN, and where the worker uses it."""
-from __future__ import annotations
 
-import os
+from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
-from tests.conftest import needs_amx, without_amx
+from tests.conftest import amx_on, needs_amx, without_amx
 from worker_service.kernels import dpbf16_linear, linear_prepack
 
 needs_library = pytest.mark.skipif(dpbf16_linear.library() is None,
@@ -103,8 +102,7 @@ def test_the_products_take_the_amx_tiles_where_the_cpu_has_them(monkeypatch):
     """On a CPU with AMX-BF16 the tile loop is on (5-12x the dot loop's rate there) unless
     the process started with SEQSERVE_AMX=0, and stays as it was loaded when SEQSERVE_AMX
     changes later (one loop per process)."""
-    loaded = ("amx_bf16" in linear_prepack.cpu_flags()
-              and os.environ.get("SEQSERVE_AMX", "1") != "0")
+    loaded = amx_on()
     assert dpbf16_linear.uses_amx() == loaded
     monkeypatch.setenv("SEQSERVE_AMX", "0" if loaded else "1")
     assert dpbf16_linear.uses_amx() == loaded

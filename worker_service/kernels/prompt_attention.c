@@ -155,6 +155,12 @@ values_rows(const uint16_t *const *pr, int nr, const uint32_t *vp, int64_t pairs
     }
 }
 
+/* Lanes i + j (j < 16) inside [from, to). */
+static inline __mmask16 lane_mask(int64_t i, int64_t from, int64_t to) {
+    const int64_t a = from - i > 0 ? from - i : 0, b = to - i < 16 ? to - i : 16;
+    return b <= a ? 0 : (__mmask16)(((1u << b) - 1) & ~((1u << a) - 1));
+}
+
 /* Row r's scores s[0, n) (slots lo + i) times `scale` -> bfloat16 probabilities p
  * (unnormalized, zero outside [first, end)); returns 1 / their float32 sum. */
 static float softmax_row(float *s, uint16_t *p, int64_t n, int64_t lo, int64_t first,
@@ -168,9 +174,7 @@ static float softmax_row(float *s, uint16_t *p, int64_t n, int64_t lo, int64_t f
         if (scaled)
             x = _mm512_mul_ps(x, sv);
         if (i < a || i + 16 > b) { /* masked after scaling: -inf whatever the scale */
-            const int64_t from = a - i > 0 ? a - i : 0, to = b - i < 16 ? b - i : 16;
-            const __mmask16 keep = to <= from ? 0 : (__mmask16)(((1u << to) - 1) & ~((1u << from) - 1));
-            x = _mm512_mask_blend_ps(keep, none, x);
+            x = _mm512_mask_blend_ps(lane_mask(i, a, b), none, x);
             _mm512_storeu_ps(s + i, x);
         } else if (scaled) {
             _mm512_storeu_ps(s + i, x);
@@ -187,16 +191,20 @@ static float softmax_row(float *s, uint16_t *p, int64_t n, int64_t lo, int64_t f
     return 1.f / _mm512_reduce_add_ps(total);
 }
 
-/* softmax_row for a tile's rows (row stride n): row r is a query of the token at slot
+/* One row's softmax: softmax_row, or on the tiles' path softmax_row_amx. */
+typedef float (*softmax_row_fn)(float *s, uint16_t *p, int64_t n, int64_t lo, int64_t first,
+                                int64_t end, float scale);
+
+/* row_fn for a tile's rows (row stride n): row r is a query of the token at slot
  * first_slot + r / group, which sees up to its own slot, the last `window` slots when set;
  * inv[r] = 1 / its sum. */
-static void softmax_rows(float *s, uint16_t *p, float *inv, int64_t rows, int64_t n,
-                         int64_t lo, int64_t first_slot, int64_t group, int64_t window,
-                         float scale) {
+static void softmax_rows(softmax_row_fn row_fn, float *s, uint16_t *p, float *inv,
+                         int64_t rows, int64_t n, int64_t lo, int64_t first_slot,
+                         int64_t group, int64_t window, float scale) {
     for (int64_t row = 0; row < rows; row++) {
         const int64_t e = first_slot + row / group + 1;
         const int64_t f = window > 0 && e > window ? e - window : 0;
-        inv[row] = softmax_row(s + row * n, p + row * n, n, lo, f, e, scale);
+        inv[row] = row_fn(s + row * n, p + row * n, n, lo, f, e, scale);
     }
 }
 
@@ -224,7 +232,8 @@ static void attend_tile(const uint16_t *q, uint16_t *out, const uint32_t *kp,
         else
             scores_rows(qr, nr, kt, n / 16, dim, scale, sr);
     }
-    softmax_rows(s, p, inv, rows, n, lo, start + t0, group, window, 1.f); /* scaled */
+    softmax_rows(softmax_row, s, p, inv, rows, n, lo, start + t0, group, window,
+                 1.f); /* scaled */
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
         const int nr = rows - r0 >= 4 ? 4 : (int)(rows - r0);
         const uint16_t *pr[4];
@@ -263,18 +272,12 @@ static inline __m512 exp2_le0(__m512 t) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* Lanes i + j (j < 16) inside [from, to). */
-static inline __mmask16 lane_mask(int64_t i, int64_t from, int64_t to) {
-    const int64_t a = from - i > 0 ? from - i : 0, b = to - i < 16 ? to - i : 16;
-    return b <= a ? 0 : (__mmask16)(((1u << b) - 1) & ~((1u << a) - 1));
-}
-
 /* softmax_row for the tiles' unscaled scores s[0, n) (n a multiple of 32, every score
  * finite: slots past the row's last hold packed zeros or keys): the maximum over the
  * row's slots [first, end) read without a store, then 2^(c * score - c * max), c = scale /
  * ln 2 (scale > 0), rounded to bfloat16 two vectors at a time, 0 outside the row's slots.
- * Returns 1 / their float32 sum. */
-static float softmax_row_amx(const float *s, uint16_t *p, int64_t n, int64_t lo,
+ * Returns 1 / their float32 sum. s is only read (not const, to share softmax_row_fn). */
+static float softmax_row_amx(float *s, uint16_t *p, int64_t n, int64_t lo,
                              int64_t first, int64_t end, float scale) {
     const int64_t from = first - lo, to = end - lo;
     const float c = scale * 1.44269504f;
@@ -388,11 +391,7 @@ static void attend_tile_amx(const uint16_t *q, uint16_t *out, const uint32_t *kp
         scores_amx(qbuf, kt, n, dim, s + r0 * n);
     }
     amx_memory_barrier(); /* the softmax reads the scores the tiles stored */
-    for (int64_t row = 0; row < rows; row++) {
-        const int64_t e = start + t0 + row / group + 1;
-        const int64_t f = window > 0 && e > window ? e - window : 0;
-        inv[row] = softmax_row_amx(s + row * n, p + row * n, n, lo, f, e, scale);
-    }
+    softmax_rows(softmax_row_amx, s, p, inv, rows, n, lo, start + t0, group, window, scale);
     amx_memory_barrier(); /* the tile loads below read p */
     for (int64_t r0 = 0; r0 < rows; r0 += 32) {
         const int mr = rows - r0 >= 32 ? 32 : (int)(rows - r0);
