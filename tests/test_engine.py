@@ -303,6 +303,39 @@ def test_native_decode_attention_matches_masked_sdpa(heads, kv_heads, window, di
     assert (got.float() - want).abs().max() < (0.02 if dtype == torch.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads,lengths", [
+    (9, 3, [700]), (9, 3, [5, 600, 90]), (16, 4, [333]), (12, 12, [400, 3]), (10, 2, [250])])
+def test_native_decode_attention_splits_a_few_long_rows_over_threads_with_the_same_bits(
+        heads, kv_heads, lengths):
+    """One to three decoding rows, too few (row, KV head) units to share evenly, split over
+    two threads by query head: a thread's share may start or end inside a KV head's
+    group. The outputs are bit for bit those of one thread, and match float32 SDPA."""
+    from worker_service.kernels import native_attention
+
+    g = torch.Generator().manual_seed(heads * 7 + sum(lengths))
+    rows, dim, cap = len(lengths), 64, max(lengths) + 3
+    keys = torch.randn(rows, kv_heads, cap, dim, generator=g).bfloat16()
+    values = torch.randn(keys.shape, generator=g).bfloat16()
+    query = torch.randn(rows, heads, dim, generator=g).bfloat16()
+    ends = torch.tensor(lengths)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = native_attention.attend(query, keys, values, 0, ends, max(lengths), 0.125, None)
+        torch.set_num_threads(2)
+        shared = native_attention.attend(query, keys, values, 0, ends, max(lengths), 0.125,
+                                         None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, shared)
+    for r, n in enumerate(lengths):
+        k = keys[r, :, :n].float().repeat_interleave(heads // kv_heads, 0)
+        v = values[r, :, :n].float().repeat_interleave(heads // kv_heads, 0)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            query[r].float()[:, None], k, v, scale=0.125)[:, 0]
+        assert (shared[r].float() - want).abs().max() < 0.02, f"row {r}"
+
+
 @pytest.mark.parametrize("heads,kv_heads,window,dim", NATIVE_SHAPES)
 @pytest.mark.parametrize("start", [0, 21])
 def test_native_prompt_attention_matches_causal_sdpa(heads, kv_heads, window, dim, start):

@@ -26,8 +26,11 @@
 #endif
 
 #define MAX_DIM 512
-/* (row, head) pairs below which a call stays on one thread. */
+/* (row, head) pairs of a prompt below which a call stays on one thread. */
 #define MIN_PAIRS_PER_THREAD 16
+/* A decoding call's cost (unit_cost: slots read plus 16 a unit) below which it stays on
+ * one thread: forking the team costs about what reading that many slots does. */
+#define MIN_COST_PER_THREAD 512
 
 /* Element i of a bfloat16 (uint16) or float32 buffer; `bf16` is a constant wherever this
  * is inlined, so each caller gets a loop of one type. */
@@ -445,17 +448,23 @@ static inline int64_t unit_cost(int64_t length, int64_t window) {
     return (window > 0 && length > window ? window : length) + 16;
 }
 
+/* The total cost of rows x per_row decoding units (unit_cost each). */
+static int64_t decode_cost(const int64_t *lengths, int64_t rows, int64_t per_row,
+                           int64_t window) {
+    int64_t total = 0;
+    for (int64_t r = 0; r < rows; r++)
+        total += per_row * unit_cost(lengths[r], window);
+    return total;
+}
+
 static void share_by_length(const int64_t *lengths, int64_t rows, int64_t per_row,
-                            int64_t window, int64_t *lo, int64_t *hi) {
+                            int64_t window, int64_t total, int64_t *lo, int64_t *hi) {
     int64_t t = 0, threads = 1;
 #ifdef _OPENMP
     t = omp_get_thread_num();
     threads = omp_get_num_threads();
 #endif
     const int64_t units = rows * per_row;
-    int64_t total = 0;
-    for (int64_t r = 0; r < rows; r++)
-        total += per_row * unit_cost(lengths[r], window);
     /* A unit goes to the thread whose part of the total it starts in. */
     const int64_t from = total * t / threads, to = total * (t + 1) / threads;
     int64_t before = 0, first = units, last = units;
@@ -488,8 +497,10 @@ static int attend_pairs(const void *q, const void *k, const void *v, void *out,
     if (dim > MAX_DIM || kv_heads <= 0 || heads % kv_heads)
         return -1;
     const int64_t pairs = rows * heads, group = heads / kv_heads;
+    const int64_t total = lengths ? decode_cost(lengths, rows, heads, window) : 0;
     int status = 0;
-#pragma omp parallel if (pairs >= 2 * MIN_PAIRS_PER_THREAD)
+#pragma omp parallel if (lengths ? total >= 2 * MIN_COST_PER_THREAD \
+                                 : pairs >= 2 * MIN_PAIRS_PER_THREAD)
     {
         float *scores = malloc(sizeof(float) * (size_t)(max_len > 0 ? max_len + 16 : 16));
         if (!scores) {
@@ -498,7 +509,7 @@ static int attend_pairs(const void *q, const void *k, const void *v, void *out,
         }
         if (lengths) {
             int64_t lo, hi;
-            share_by_length(lengths, rows, heads, window, &lo, &hi);
+            share_by_length(lengths, rows, heads, window, total, &lo, &hi);
             for (int64_t pair = lo; pair < hi; pair++)
                 if (scores)
                     attend_pair(q, k, v, out, lengths, start, pair, heads, group, dim,
@@ -526,8 +537,9 @@ static int decode_groups_avx512(const uint16_t *q, const uint16_t *k, const uint
                                 int64_t window, int64_t max_len) {
     const int64_t group = heads / kv_heads;
     const int64_t stride = (max_len > 0 ? max_len : 0) + 16;
+    const int64_t total = decode_cost(lengths, rows, heads, window);
     int status = 0;
-#pragma omp parallel if (rows * heads >= 2 * MIN_PAIRS_PER_THREAD)
+#pragma omp parallel if (total >= 2 * MIN_COST_PER_THREAD)
     {
         float *scores = malloc(sizeof(float) * (size_t)(group < 4 ? group : 4)
                                * (size_t)stride);
@@ -535,25 +547,27 @@ static int decode_groups_avx512(const uint16_t *q, const uint16_t *k, const uint
 #pragma omp atomic write
             status = -2;
         }
+        /* Shares are of (row, query head) units, so that a few long rows still split
+         * over the team; each thread takes its heads of one KV head together. */
         int64_t lo, hi;
-        share_by_length(lengths, rows, kv_heads, window, &lo, &hi);
-        for (int64_t unit = lo; unit < hi; unit++) {
-            if (!scores)
-                continue;
-            const int64_t r = unit / kv_heads, j = unit % kv_heads;
-            const int64_t at = r * row_stride + j * head_stride;
-            const uint16_t *qu = q + unit * group * dim;
-            uint16_t *ou = out + unit * group * dim;
+        share_by_length(lengths, rows, heads, window, total, &lo, &hi);
+        for (int64_t unit = lo; unit < hi && scores;) {
+            const int64_t r = unit / heads, h = unit % heads;
+            const int64_t m = group - h % group < hi - unit ? group - h % group : hi - unit;
+            const int64_t at = r * row_stride + (h / group) * head_stride;
+            const uint16_t *qu = q + unit * dim;
+            uint16_t *ou = out + unit * dim;
             /* The common head sizes as constants, so the sums live in registers. */
             if (dim == 64)
-                attend_group_avx512(qu, k + at, v + at, ou, lengths[r], 64, group, scale,
+                attend_group_avx512(qu, k + at, v + at, ou, lengths[r], 64, m, scale,
                                     window, scores, stride);
             else if (dim == 128)
-                attend_group_avx512(qu, k + at, v + at, ou, lengths[r], 128, group, scale,
+                attend_group_avx512(qu, k + at, v + at, ou, lengths[r], 128, m, scale,
                                     window, scores, stride);
             else
-                attend_group_avx512(qu, k + at, v + at, ou, lengths[r], dim, group, scale,
+                attend_group_avx512(qu, k + at, v + at, ou, lengths[r], dim, m, scale,
                                     window, scores, stride);
+            unit += m;
         }
         free(scores);
     }
