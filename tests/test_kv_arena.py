@@ -5,6 +5,7 @@ extents back when reallocated or dropped."""
 import gc
 import random
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,3 +241,31 @@ def test_the_arena_maps_the_kv_budget_times_its_headroom():
     exact = ServingConfig(kv_cache_bytes=4 << 20, kv_arena_headroom=1.0)
     assert kv_arena(exact, torch.device("cpu")).capacity_bytes == 4 << 20
     assert kv_arena(cfg, torch.device("meta")) is None
+
+
+def _anon_huge_kb(address: int) -> int | None:
+    """AnonHugePages (kB) of this process's mapping that holds `address`, from smaps."""
+    current = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            current = lo <= address < hi
+        elif current and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return None
+
+
+def test_the_arena_is_faulted_in_on_huge_pages_where_the_kernel_offers_them():
+    """The region starts on a 2 MiB boundary and, where Linux offers transparent huge
+    pages on request, is asked for them before it is first written, so the prefaulted
+    pages are 2 MiB ones (fewer TLB misses for a step's rows spread over gigabytes)."""
+    from worker_service.kv_arena import HUGE_PAGE
+
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("this kernel offers no transparent huge pages")
+    a = KVArena(8 * HUGE_PAGE)
+    assert a.buffer.data_ptr() % HUGE_PAGE == 0 and a.buffer.numel() == 8 * HUGE_PAGE
+    assert a.huge_pages
+    assert (_anon_huge_kb(a.buffer.data_ptr()) or 0) >= 2048  # some 2 MiB pages back it
