@@ -527,9 +527,12 @@ static int attend_pairs(const void *q, const void *k, const void *v, void *out,
 }
 
 #ifdef HAVE_AVX512_BF16
-/* Decoding with grouped-query attention: each (row, KV head) unit takes the query heads
- * that share that KV head together (attend_group_avx512), split over torch's OpenMP team
- * by the rows' lengths as attend_pairs splits decoding pairs. */
+/* Decoding with grouped-query attention: the query heads that share a KV head are taken
+ * together (attend_group_avx512), the (row, query head) units split over torch's OpenMP
+ * team by the rows' lengths as attend_pairs splits decoding pairs. A head's outputs do not
+ * depend on which heads it is grouped with, so a share that cuts a KV head's group gives
+ * the same bits. One row of 5448 slots (9 heads over 3): 0.28 ms on one thread, 0.17 ms
+ * over two. */
 static int decode_groups_avx512(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                                 uint16_t *out, const int64_t *lengths, int64_t rows,
                                 int64_t heads, int64_t kv_heads, int64_t dim,
