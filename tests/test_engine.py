@@ -82,6 +82,21 @@ def test_unchanged_plan_copies_nothing(llama_dir):
     assert quiet == [0] * 5
 
 
+def test_a_regroup_keeps_the_longest_rows_in_place(llama_dir):
+    """Planned groups take over the existing group they share the most KV slots with, not
+    the most rows: two short rows move rather than one long one."""
+    engine = Engine(ModelRunner(str(llama_dir)))
+    lengths = {0: 120, 1: 5, 2: 6, 3: 7}
+    engine.step([], [PrefillSpec(i, list(range(5, 5 + n)), 0, DecodingParams())
+                     for i, n in lengths.items()], [[0, 1, 2], [3]])
+    per_token = engine.runner.kv_shape.bytes_per_token
+    result = engine.step([], [], [[0, 3], [1, 2]])
+    assert engine.group_of[0] is not engine.group_of[1]
+    # rows 1 and 2 leave the long row's group, row 3 joins it and fills a hole: 25 slots;
+    # the long row moving instead would copy its 120
+    assert result.regroup_bytes < 60 * per_token
+
+
 def test_step_rejects_inconsistent_plans(llama_dir):
     engine = Engine(ModelRunner(str(llama_dir)))
     engine.step([], [PrefillSpec(1, [5, 6, 7], 0, DecodingParams())], [[1]])

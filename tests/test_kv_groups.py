@@ -54,3 +54,15 @@ def test_rows_move_with_all_their_layers(dims):
     kv = [(torch.cat([k2[:, :3], k0[:, 3:]], 1), torch.cat([v2[:, :3], v0[:, 3:]], 1))
           for (k0, v0), (k2, v2) in zip(truth[0], truth[2])]
     assert _holds(g, 2, kv, 10) and _holds(g, 0, truth[0], 10)
+
+
+@pytest.mark.parametrize("dims", [UNIFORM, MIXED])
+def test_rows_dropped_together_move_only_the_kept_rows_past_the_new_end(dims):
+    g, truth = _group(dims, rows=6)
+    g.copied_bytes = 0
+    g.remove_rows([1, 4, 5])  # one by one, row 5 would first move into row 1
+    assert g.seq_ids == [100, 103, 102]
+    assert all(_holds(g, r, truth[t], 10) for r, t in enumerate((0, 3, 2)))
+    assert g.copied_bytes == 10 * g.shape.bytes_per_token  # row 3 alone moved
+    g.remove_rows([2, 0])  # the last row, and one it fills
+    assert g.seq_ids == [103] and _holds(g, 0, truth[3], 10) and g.lengths == (10,)

@@ -244,8 +244,7 @@ class BeamSearches:
         if req.search.done:
             out.beams = req.search.results()
             out.token_id = out.beams[0][0][-1] if out.beams[0][0] else 0
-            for rid in req.row_ids:
-                engine.release(rid)
+            engine.release(*req.row_ids)
             del self.requests[req.seq_id]
             self.ended.add(req.seq_id)
         else:

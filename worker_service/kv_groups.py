@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -345,15 +346,24 @@ class KVGroup:
 
     def remove_row(self, row: int) -> None:
         """Drop a row; the last row moves into its place so the rows stay contiguous."""
-        last = self.rows - 1
-        if row != last:
-            length = self._lengths[last]
-            self._copy_slots(row, self, last, 0, length)
-            self.seq_ids[row] = self.seq_ids[last]
-            self._lengths[row] = length
+        self.remove_rows([row])
+
+    def remove_rows(self, rows: Iterable[int]) -> None:
+        """Drop several rows at once; rows kept past the new row count move into the holes
+        so the rows stay contiguous. Together, only those rows move: one by one, a last
+        row could move into a hole and then be dropped itself, or move twice."""
+        drop = set(rows)
+        keep = self.rows - len(drop)
+        holes = sorted(r for r in drop if r < keep)
+        movers = [r for r in range(keep, self.rows) if r not in drop]
+        for hole, src in zip(holes, movers):
+            length = self._lengths[src]
+            self._copy_slots(hole, self, src, 0, length)
+            self.seq_ids[hole] = self.seq_ids[src]
+            self._lengths[hole] = length
             self.copied_bytes += length * self.shape.bytes_per_token
-        self.seq_ids.pop()
-        self._lengths.pop()
+        del self.seq_ids[keep:]
+        del self._lengths[keep:]
 
     def advance(self, row_start: int, row_end: int) -> None:
         """Rows [row_start, row_end) each had one token's KV written at their next slot
