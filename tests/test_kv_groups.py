@@ -66,3 +66,13 @@ def test_rows_dropped_together_move_only_the_kept_rows_past_the_new_end(dims):
     assert g.copied_bytes == 10 * g.shape.bytes_per_token  # row 3 alone moved
     g.remove_rows([2, 0])  # the last row, and one it fills
     assert g.seq_ids == [103] and _holds(g, 0, truth[3], 10) and g.lengths == (10,)
+
+
+def test_a_growth_copies_each_row_up_to_its_own_length():
+    g, truth = _group(UNIFORM, rows=4, length=40)
+    for r, n in enumerate((40, 2, 3, 5)):
+        g._lengths[r] = n  # the rows' KV ends where the lengths say
+    g.copied_bytes = 0
+    g.ensure_capacity(9, 100)
+    assert all(_holds(g, r, truth[r], n) for r, n in enumerate((40, 2, 3, 5)))
+    assert g.copied_bytes == 50 * g.shape.bytes_per_token  # not 4 rows x 40 slots

@@ -203,10 +203,19 @@ class KVGroup:
                 (new_rows, s.value_heads[layer], new_len, s.value_dims[layer]))]
         old_release, old_extent = self._release, self._extent
         tensors = self._buffers(shapes)
+        copied = self.rows * keep_len
         if s.uniform:
             kv = tensors[0]
             if self.kv is not None and self.rows:
-                kv[:, :, : self.rows, :, :keep_len] = self.kv[:, :, : self.rows, :, :keep_len]
+                held = sum(self._lengths)
+                if held < 0.75 * copied:
+                    # Rows of uneven lengths: each only up to its own length, not the
+                    # longest's (one copy a row, where it saves a quarter or more).
+                    for r, n in enumerate(self._lengths):
+                        kv[:, :, r, :, :n] = self.kv[:, :, r, :, :n]
+                    copied = held
+                else:
+                    kv[:, :, : self.rows, :, :keep_len] = self.kv[:, :, : self.rows, :, :keep_len]
             self.kv = kv
             new_keys, new_values = list(kv[0].unbind(0)), list(kv[1].unbind(0))
         else:
@@ -217,7 +226,7 @@ class KVGroup:
                         self.keys[layer][: self.rows, :, :keep_len]
                     new_values[layer][: self.rows, :, :keep_len] = \
                         self.values[layer][: self.rows, :, :keep_len]
-        self.copied_bytes += self.rows * keep_len * s.bytes_per_token
+        self.copied_bytes += copied * s.bytes_per_token
         self.keys, self.values = new_keys, new_values
         if old_release is not None and old_release.detach() is not None:
             self.arena.give(old_extent)  # the old buffers' rows are copied: free again
