@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker_service import kv_swap, sampling, step_checks
+from worker_service import kv_swap, regroup, sampling, step_checks
 from worker_service.beam import BeamSearches
 from worker_service.contrastive import CandidateTree, ContrastiveSearch
 from worker_service.kv_arena import KVArena
-from worker_service.kv_groups import DetachedKV, KVGroup
+from worker_service.kv_groups import KVGroup
 from worker_service.kv_swap import SwapSpace
 from worker_service.length_probe import LengthProbe
 from worker_service.model_runner import ModelRunner
@@ -184,7 +184,7 @@ class Engine:
                 chunk_end=ns.prefill_end or n)
         for sid, end in chunks.items():
             self.sequences[sid].chunk_end = end
-        groups, old_counts, dropped_bytes = self._regroup(plan, new_ids, restored)
+        groups, old_counts, dropped_bytes = regroup.regroup(self, plan, new_ids, restored)
         result.regroup_seconds = time.perf_counter() - t0
         self._run(groups, old_counts, result)
         if probe is not None:
@@ -205,85 +205,6 @@ class Engine:
             result.prefix_stats = (st.queries, st.hits, st.hit_tokens, st.evictions)
         result.total_seconds = time.perf_counter() - t0
         return result
-
-    def _regroup(self, plan: list[list[int]], new_ids: set[int],
-                 restored: dict[int, DetachedKV] | None = None
-                 ) -> tuple[list[KVGroup], list[int], int]:
-        """Make one KVGroup per planned group, moving as few rows as possible; the rows of
-        new sequences are empty, those of `restored` ones (swapped in) hold their KV."""
-        restored = restored or {}
-        olds = [[sid for sid in members if sid not in new_ids] for members in plan]
-        # Give each planned group the existing group it overlaps most, largest overlaps first.
-        # Overlap in KV slots, not rows: a long row that stays put saves more copying than
-        # several short ones (a row of 5,000 slots is 115 MB on SmolLM2).
-        overlaps = []
-        for i, members in enumerate(olds):
-            held: dict[int, int] = {}
-            for sid in members:
-                g = self.group_of[sid]
-                held[id(g)] = held.get(id(g), 0) + g.length(g.row_of(sid)) + 1
-            overlaps += [(n, i, gid) for gid, n in held.items()]
-        by_id = {id(g): g for g in self.groups}
-        target: dict[int, KVGroup] = {}
-        taken: set[int] = set()
-        for n, i, gid in sorted(overlaps, key=lambda x: (-x[0], x[1])):
-            if i not in target and gid not in taken:
-                target[i] = by_id[gid]
-                taken.add(gid)
-        groups = [target.get(i) or KVGroup(self.runner.kv_shape, arena=self.arena)
-                  for i in range(len(plan))]
-        incoming = [[sid for sid in members if self.group_of[sid] is not group]
-                    for members, group in zip(olds, groups)]
-        leaving: dict[int, int] = {}
-        for rows_in in incoming:
-            for sid in rows_in:
-                leaving[id(self.group_of[sid])] = leaving.get(id(self.group_of[sid]), 0) + 1
-        for members, rows_in, group in zip(plan, incoming, groups):
-            fresh = [sid for sid in members if sid in new_ids]
-            if rows_in or fresh:
-                # One reallocation at most, with room for the incoming rows (copied before
-                # this group's leaving rows go) and the new ones: row by row, or incoming
-                # and new apart, a group could be copied several times in one step.
-                during = group.rows + len(rows_in)
-                after = during - leaving.get(id(group), 0) + len(fresh)
-                group.ensure_capacity(max(during, after), max(
-                    [1 + self.group_of[sid].length(self.group_of[sid].row_of(sid))
-                     for sid in rows_in] + [self._reserve_length(sid) for sid in fresh]))
-        moves = []
-        for rows_in, group in zip(incoming, groups):
-            for sid in rows_in:
-                src = self.group_of[sid]
-                group.add_row_from(src, src.row_of(sid))
-                moves.append((src, sid, group))
-        moved_out: dict[int, tuple[KVGroup, list[int]]] = {}
-        for src, sid, group in moves:
-            moved_out.setdefault(id(src), (src, []))[1].append(src.row_of(sid))
-            self.group_of[sid] = group
-        for src, rows in moved_out.values():
-            src.remove_rows(rows)
-        dropped = 0
-        for g in self.groups:
-            if not any(g is x for x in groups):
-                assert g.rows == 0, "a group left without a plan still holds rows"
-                dropped += g.copied_bytes  # its copies this step still count
-        old_counts = [g.rows for g in groups]
-        for members, group in zip(plan, groups):
-            for sid in (sid for sid in members if sid in new_ids):
-                if sid in restored:
-                    group.add_row_with(sid, restored[sid], self._reserve_length(sid),
-                                       non_blocking=self.swap.pinned)
-                else:
-                    group.add_empty_row(sid, self._reserve_length(sid))
-                self.group_of[sid] = group
-            if moves:
-                group.trim()
-        self.groups = groups
-        return groups, old_counts, dropped
-
-    def _reserve_length(self, seq_id: int) -> int:
-        """Slots a new row needs this step: its tokens and contrastive candidates."""
-        seq = self.sequences[seq_id]
-        return len(seq.token_ids) + max(seq.params.top_k, 1) + 1
 
     # --- forwards --------------------------------------------------------------------
 

@@ -233,8 +233,8 @@ def swap_out(engine: Engine, seq_id: int) -> None:
 
 
 def swap_in(engine: Engine, seq_id: int) -> tuple[DetachedKV, bool]:
-    """Make a swapped-out sequence live again; returns its KV for `_regroup` to place (the
-    device copy where it was prefetched), and whether it was."""
+    """Make a swapped-out sequence live again; returns its KV for `regroup.regroup` to
+    place (the device copy where it was prefetched), and whether it was."""
     if engine.swap is None or seq_id not in engine.swap:
         raise StepError(f"swap_in of sequence {seq_id}, which this worker does not hold "
                         "swapped out; re-admit it by prefill")
