@@ -126,18 +126,17 @@ class Engine:
         return sum(g.copied_bytes for g in self.groups)
 
     def release(self, *seq_ids: int) -> None:
-        """Forget ended sequences and drop their rows, each group's at once (kv_groups.py:
-        fewer rows move than one by one)."""
-        rows: dict[int, tuple[KVGroup, list[int]]] = {}
+        """Forget ended sequences and drop their rows, each group's at once (fewer rows
+        move than one by one)."""
+        rows = []
         for seq_id in seq_ids:
             if self.swap is not None and self.swap.drop(seq_id):
                 continue  # it ended while swapped out
             self.sequences.pop(seq_id, None)
             group = self.group_of.pop(seq_id, None)
             if group is not None:
-                rows.setdefault(id(group), (group, []))[1].append(group.row_of(seq_id))
-        for group, dropped in rows.values():
-            group.remove_rows(dropped)
+                rows.append((group, group.row_of(seq_id)))
+        regroup.remove_rows_together(rows)
 
     # --- the step --------------------------------------------------------------------
 

@@ -4,6 +4,8 @@ group is copied)."""
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from worker_service.kv_groups import DetachedKV, KVGroup
@@ -26,10 +28,9 @@ def regroup(engine: Engine, plan: list[list[int]], new_ids: set[int],
     # several short ones (a row of 5,000 slots is 115 MB on SmolLM2).
     overlaps = []
     for i, members in enumerate(olds):
-        held: dict[int, int] = {}
+        held: Counter[int] = Counter()
         for sid in members:
-            g = engine.group_of[sid]
-            held[id(g)] = held.get(id(g), 0) + g.length(g.row_of(sid)) + 1
+            held[id(engine.group_of[sid])] += _slots(engine, sid) + 1
         overlaps += [(n, i, gid) for gid, n in held.items()]
     by_id = {id(g): g for g in engine.groups}
     target: dict[int, KVGroup] = {}
@@ -42,10 +43,7 @@ def regroup(engine: Engine, plan: list[list[int]], new_ids: set[int],
               for i in range(len(plan))]
     incoming = [[sid for sid in members if engine.group_of[sid] is not group]
                 for members, group in zip(olds, groups)]
-    leaving: dict[int, int] = {}
-    for rows_in in incoming:
-        for sid in rows_in:
-            leaving[id(engine.group_of[sid])] = leaving.get(id(engine.group_of[sid]), 0) + 1
+    leaving = Counter(id(engine.group_of[sid]) for rows_in in incoming for sid in rows_in)
     for members, rows_in, group in zip(plan, incoming, groups):
         fresh = [sid for sid in members if sid in new_ids]
         if rows_in or fresh:
@@ -53,22 +51,19 @@ def regroup(engine: Engine, plan: list[list[int]], new_ids: set[int],
             # this group's leaving rows go) and the new ones: row by row, or incoming
             # and new apart, a group could be copied several times in one step.
             during = group.rows + len(rows_in)
-            after = during - leaving.get(id(group), 0) + len(fresh)
+            after = during - leaving[id(group)] + len(fresh)
             group.ensure_capacity(max(during, after), max(
-                [1 + engine.group_of[sid].length(engine.group_of[sid].row_of(sid))
-                 for sid in rows_in] + [reserve_length(engine, sid) for sid in fresh]))
+                [1 + _slots(engine, sid) for sid in rows_in]
+                + [reserve_length(engine, sid) for sid in fresh]))
     moves = []
     for rows_in, group in zip(incoming, groups):
         for sid in rows_in:
             src = engine.group_of[sid]
             group.add_row_from(src, src.row_of(sid))
             moves.append((src, sid, group))
-    moved_out: dict[int, tuple[KVGroup, list[int]]] = {}
-    for src, sid, group in moves:
-        moved_out.setdefault(id(src), (src, []))[1].append(src.row_of(sid))
+    remove_rows_together([(src, src.row_of(sid)) for src, sid, _ in moves])
+    for _, sid, group in moves:
         engine.group_of[sid] = group
-    for src, rows in moved_out.values():
-        src.remove_rows(rows)
     dropped = 0
     for g in engine.groups:
         if not any(g is x for x in groups):
@@ -89,7 +84,23 @@ def regroup(engine: Engine, plan: list[list[int]], new_ids: set[int],
     return groups, old_counts, dropped
 
 
+def _slots(engine: Engine, seq_id: int) -> int:
+    """KV slots a running sequence's row holds."""
+    group = engine.group_of[seq_id]
+    return group.length(group.row_of(seq_id))
+
+
 def reserve_length(engine: Engine, seq_id: int) -> int:
     """Slots a new row needs this step: its tokens and contrastive candidates."""
     seq = engine.sequences[seq_id]
     return len(seq.token_ids) + max(seq.params.top_k, 1) + 1
+
+
+def remove_rows_together(rows: Iterable[tuple[KVGroup, int]]) -> None:
+    """Drop (group, row) pairs, each group's rows in one `KVGroup.remove_rows` (rows are
+    numbered before any of them goes)."""
+    by_group: dict[int, tuple[KVGroup, list[int]]] = {}
+    for group, row in rows:
+        by_group.setdefault(id(group), (group, []))[1].append(row)
+    for group, dropped in by_group.values():
+        group.remove_rows(dropped)
