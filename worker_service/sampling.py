@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from seqserve_common.decoding import DecodingStrategy
+from worker_service.kernels import greedy
 from worker_service.sequence import DecodingParams, SequenceState
 from worker_service.step import GeneratedToken
 
@@ -90,11 +91,9 @@ def choose_tokens(logits: torch.Tensor, seqs: list[SequenceState]) -> list[Gener
     choices: list[GeneratedToken | None] = [None] * len(seqs)
     simple = [i for i, s in enumerate(seqs) if not s.params.needs_processing]
     if simple:
-        # Most Steps are all greedy: then no gather of their rows, a copy of the whole
-        # [m, V] as large as the float conversion (argmax is faster in float32 than in
-        # bfloat16 here, and converting changes no value).
+        # Most Steps are all greedy: then no gather of their rows.
         rows = logits if len(simple) == len(seqs) else logits[simple]
-        ids = rows.float().argmax(-1).tolist()
+        ids = greedy.argmax_rows(rows)
         for i, t in zip(simple, ids):
             choices[i] = GeneratedToken(seqs[i].seq_id, t)
     for i, s in enumerate(seqs):
