@@ -32,6 +32,7 @@
 
 #include "bf16.h"
 #include "amx.h"
+#include "shares.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -250,52 +251,67 @@ static inline void amx_rows(const uint16_t *x, int64_t xs, const uint16_t *p, in
     }
 }
 
-/* linear_dpbf16 on the tiles: each thread its contiguous blocks. Under 32 rows, groups of
- * 4 blocks, every 16-row tile over a group (loading the inputs once for 4 products). From
- * 32 rows, 256-row chunks of x; per chunk, pairs of blocks: each pass of 16 tile steps
- * keeps the pair's weights for those steps in L1 while every 32 rows of the chunk stream
- * past (two input tiles by two weight tiles, four products per four loads), the sums
- * between passes kept per 32 rows in float32; at 2 threads this ran SmolLM2's products at
- * 256-2048 rows 1.1-1.3x the 16 x 64 loop's rate. */
+/* linear_dpbf16 on the tiles, in units shared out by shares.h: each thread runs its own
+ * share front to back and then takes what is left of the other's. Under 32 rows a unit is
+ * a group of 4 blocks, every 16-row tile over it (loading the inputs once for 4
+ * products). From 32 rows a unit is 256 rows of x by a pair of blocks; a thread's share is
+ * its pairs over every chunk, chunk by chunk, so its weights stay in its L2 from one chunk
+ * to the next; per unit, each pass of 16 tile steps keeps the pair's weights for those
+ * steps in L1 while every 32 rows of the chunk stream past (two input tiles by two weight
+ * tiles, four products per four loads), the sums between passes kept per 32 rows in
+ * float32. */
 static void linear_amx(const uint16_t *x, const uint16_t *p, const uint16_t *bias, uint16_t *y,
                        int64_t rows, int64_t n, int64_t k2, int64_t xs) {
     const int64_t blocks = (n + 15) / 16, steps = k2 / 16;
     const int64_t passes = (steps + AMX_PASS_STEPS - 1) / AMX_PASS_STEPS;
-#pragma omp parallel if (rows * n * k2 >= 32768)
+    const int64_t pairs = (blocks + 1) / 2, chunks = (rows + AMX_ROW_CHUNK - 1) / AMX_ROW_CHUNK;
+    const int wide = rows >= AMX_WIDE_ROWS, parallel = rows * n * k2 >= 32768;
+    struct shares shares;
+    const int64_t threads = shares_threads(shares_team(parallel));
+    if (wide) {
+        shares.threads = threads;
+        for (int64_t t = 0; t < threads; t++)
+            shares_set(&shares, t, chunks * (pairs * t / threads),
+                       chunks * (pairs * (t + 1) / threads));
+    } else {
+        shares_init(&shares, (blocks + 3) / 4, threads);
+    }
+#pragma omp parallel if (parallel)
     {
-        int64_t lo, hi;
-        thread_blocks(blocks, &lo, &hi);
         int configured = 0;
-        if (rows < AMX_WIDE_ROWS) {
-            for (int64_t b0 = lo; b0 < hi; b0 += 4)
-                amx_rows(x, xs, p, k2, 0, rows, b0, (int)(hi - b0 < 4 ? hi - b0 : 4), bias, y,
-                         n, &configured);
-        } else {
-            float part[AMX_ROW_CHUNK / 32 * 1024] __attribute__((aligned(64)));
-            for (int64_t c0 = 0; c0 < rows; c0 += AMX_ROW_CHUNK) {
-                const int64_t c1 = rows - c0 < AMX_ROW_CHUNK ? rows : c0 + AMX_ROW_CHUNK;
-                const int64_t tiles = (c1 - c0) / 32, wide_end = c0 + 32 * tiles;
-                for (int64_t b0 = lo; b0 < hi; b0 += 2) {
-                    const int nbk = (int)(hi - b0 < 2 ? hi - b0 : 2);
-                    if (nbk < 2) {
-                        amx_rows(x, xs, p, k2, c0, c1, b0, 1, bias, y, n, &configured);
-                        continue;
-                    }
-                    const uint16_t *pb = p + b0 * k2 * 32;
-                    amx_ensure(&configured, 16);
-                    for (int64_t pass = 0; pass < passes; pass++) {
-                        const int64_t s0 = steps * pass / passes;
-                        const int64_t s1 = steps * (pass + 1) / passes;
-                        for (int64_t t = 0; t < tiles; t++) {
-                            const int64_t r = c0 + 32 * t;
-                            amx_tile_32x32(x + r * xs, xs, pb, k2, s0, s1, part + 1024 * t,
-                                           pass == 0, pass == passes - 1, bias, y + r * n, n,
-                                           b0 * 16);
-                        }
-                    }
-                    amx_rows(x, xs, p, k2, wide_end, c1, b0, 2, bias, y, n, &configured);
+        float part[AMX_ROW_CHUNK / 32 * 1024] __attribute__((aligned(64)));
+        for (int64_t unit; (unit = shares_next(&shares)) >= 0;) {
+            if (!wide) {
+                const int64_t b0 = 4 * unit;
+                amx_rows(x, xs, p, k2, 0, rows, b0, (int)(blocks - b0 < 4 ? blocks - b0 : 4),
+                         bias, y, n, &configured);
+                continue;
+            }
+            /* Whose share the unit is in, and where in it: chunk-major over its pairs. */
+            int64_t t = 0;
+            while (unit >= chunks * (pairs * (t + 1) / threads))
+                t++;
+            const int64_t plo = pairs * t / threads, mine = pairs * (t + 1) / threads - plo;
+            const int64_t u = unit - chunks * plo;
+            const int64_t c0 = u / mine * AMX_ROW_CHUNK, b0 = 2 * (plo + u % mine);
+            const int64_t c1 = rows - c0 < AMX_ROW_CHUNK ? rows : c0 + AMX_ROW_CHUNK;
+            const int64_t tiles = (c1 - c0) / 32, wide_end = c0 + 32 * tiles;
+            if (blocks - b0 < 2) {
+                amx_rows(x, xs, p, k2, c0, c1, b0, 1, bias, y, n, &configured);
+                continue;
+            }
+            const uint16_t *pb = p + b0 * k2 * 32;
+            amx_ensure(&configured, 16);
+            for (int64_t pass = 0; pass < passes; pass++) {
+                const int64_t s0 = steps * pass / passes;
+                const int64_t s1 = steps * (pass + 1) / passes;
+                for (int64_t i = 0; i < tiles; i++) {
+                    const int64_t r = c0 + 32 * i;
+                    amx_tile_32x32(x + r * xs, xs, pb, k2, s0, s1, part + 1024 * i, pass == 0,
+                                   pass == passes - 1, bias, y + r * n, n, b0 * 16);
                 }
             }
+            amx_rows(x, xs, p, k2, wide_end, c1, b0, 2, bias, y, n, &configured);
         }
         if (configured)
             _tile_release();
