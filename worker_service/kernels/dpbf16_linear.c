@@ -184,9 +184,13 @@ amx_tile(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t k2, const int
 #define AMX_ROW_CHUNK 256
 /* From this many rows a product runs the 32 x 32 tile loop below. */
 #define AMX_WIDE_ROWS 32
-/* Tile steps (32 input positions) of one pass of the 32 x 32 loop: the two blocks' weights
- * for them (16 steps x 2 KiB) stay in the 48 KiB L1 cache while the rows stream past. */
-#define AMX_PASS_STEPS 16
+/* Most tile steps (32 input positions) of one pass of the 32 x 32 loop: the two blocks'
+ * weights for them (up to 20 steps x 2 KiB) stay in the 48 KiB L1 cache while the rows
+ * stream past. A product is split into equal passes of at most this many steps; every
+ * pass past the first reloads the float32 sums and every one but the last stores them, so
+ * k = 576 (18 steps) in one pass ran 1.02-1.23x its two passes of 9 at 256-2048 rows,
+ * while passes of 24 steps (48 KiB) ran k = 768 and 1536 0.89-0.97x (session 30). */
+#define AMX_PASS_STEPS 20
 
 /* Rows [0, 32) of x times blocks 0 and 1 of p, tile steps [s0, s1): the four sums (rows
  * 0-15 and 16-31 by columns 0-15 and 16-31) start from zero on a first pass or from part
