@@ -1,4 +1,5 @@
-/* The greedy token of each row of bfloat16 logits: the index of its largest value.
+/* The greedy token of each row of logits (float32 or bfloat16): the index of its largest
+ * value.
  *
  * Built and loaded at run time by greedy.py (plain C, no torch headers). torch's argmax
  * over a [rows, vocabulary] tensor reduces one element at a time (about 1.4 ns an element
@@ -21,15 +22,37 @@
 
 int greedy_vectorized(void) { return 1; }
 
+static inline __attribute__((always_inline)) int is_nan_at(const void *x, int64_t i, int bf16) {
+    if (bf16) {
+        const uint16_t b = ((const uint16_t *)x)[i];
+        return (b & 0x7f80u) == 0x7f80u && (b & 0x7fu);
+    }
+    const float f = ((const float *)x)[i];
+    return f != f;
+}
+
+static inline __attribute__((always_inline)) float value_at(const void *x, int64_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+/* Values i..i+15 of x as float32 lanes (bfloat16 widened exactly). */
+static inline __attribute__((always_inline)) __m512 load16_at(const void *x, int64_t i, int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i))),
+            16));
+    return _mm512_loadu_ps((const float *)x + i);
+}
+
 /* The first NaN's index in row x of n values, or -1 where there is none. */
-static int64_t first_nan(const uint16_t *x, int64_t n) {
+static inline __attribute__((always_inline)) int64_t first_nan(const void *x, int64_t n, int bf16) {
     for (int64_t i = 0; i < n; i++)
-        if ((x[i] & 0x7f80u) == 0x7f80u && (x[i] & 0x7fu))
+        if (is_nan_at(x, i, bf16))
             return i;
     return -1;
 }
 
-static int64_t argmax_row(const uint16_t *x, int64_t n) {
+static inline __attribute__((always_inline)) int64_t argmax_row(const void *x, int64_t n, int bf16) {
     __m512 best = _mm512_set1_ps(-__builtin_inff());
     __m512i where = _mm512_set1_epi32(0);
     __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -37,8 +60,7 @@ static int64_t argmax_row(const uint16_t *x, int64_t n) {
     __mmask16 nan = 0;
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i))), 16));
+        const __m512 v = load16_at(x, i, bf16);
         nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         const __mmask16 more = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
         best = _mm512_mask_mov_ps(best, more, v);
@@ -46,10 +68,10 @@ static int64_t argmax_row(const uint16_t *x, int64_t n) {
         at = _mm512_add_epi32(at, step);
     }
     if (nan)
-        return first_nan(x, n);
+        return first_nan(x, n, bf16);
     /* Lanes that never took a value (all theirs -inf) point at index 0, which is right
      * when the whole row is -inf, and loses to any larger value otherwise. */
-    float top = bf16_to_float(x[0]);
+    float top = value_at(x, 0, bf16);
     int64_t index = 0;
     if (i > 0) {
         float lane_best[16];
@@ -65,9 +87,9 @@ static int64_t argmax_row(const uint16_t *x, int64_t n) {
             }
     }
     for (; i < n; i++) {
-        if ((x[i] & 0x7f80u) == 0x7f80u && (x[i] & 0x7fu))
-            return first_nan(x, n);
-        const float v = bf16_to_float(x[i]);
+        if (is_nan_at(x, i, bf16))
+            return first_nan(x, n, bf16);
+        const float v = value_at(x, i, bf16);
         if (v > top) { /* later indices only win when strictly larger */
             top = v;
             index = i;
@@ -76,12 +98,19 @@ static int64_t argmax_row(const uint16_t *x, int64_t n) {
     return index;
 }
 
-/* out[r] = argmax of row r of x (bfloat16 [rows, n], row stride `stride`). */
+/* out[r] = argmax of row r of x (bfloat16 [rows, n], row stride `stride` elements). */
 void argmax_rows_bf16(const uint16_t *x, int64_t rows, int64_t n, int64_t stride,
                       int64_t *out) {
 #pragma omp parallel for schedule(static) if (rows * n >= 262144)
     for (int64_t r = 0; r < rows; r++)
-        out[r] = argmax_row(x + r * stride, n);
+        out[r] = argmax_row(x + r * stride, n, 1);
+}
+
+/* The same over float32 logits. */
+void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t *out) {
+#pragma omp parallel for schedule(static) if (rows * n >= 131072)
+    for (int64_t r = 0; r < rows; r++)
+        out[r] = argmax_row(x + r * stride, n, 0);
 }
 #else
 /* Without AVX-512 greedy.py does not use this library (torch's argmax runs instead). */
@@ -89,6 +118,10 @@ int greedy_vectorized(void) { return 0; }
 
 void argmax_rows_bf16(const uint16_t *x, int64_t rows, int64_t n, int64_t stride,
                       int64_t *out) {
+    (void)x, (void)rows, (void)n, (void)stride, (void)out;
+}
+
+void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t *out) {
     (void)x, (void)rows, (void)n, (void)stride, (void)out;
 }
 #endif

@@ -1,6 +1,6 @@
-"""Greedy tokens of bfloat16 logits on CPU in one vectorized pass (`greedy.c`): the same
-indices as `logits.argmax(-1)`, first index of the maximum and NaN as the largest, without
-torch's float32 copy and its element-at-a-time reduction."""
+"""Greedy tokens of float32 or bfloat16 logits on CPU in one vectorized pass (`greedy.c`):
+the same indices as `logits.argmax(-1)`, first index of the maximum and NaN as the largest,
+without torch's element-at-a-time reduction."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from worker_service.kernels import native_build
 SOURCE = Path(__file__).with_name("greedy.c")
 _P, _I = native_build.P, native_build.I64
 FUNCTIONS = {"argmax_rows_bf16": ([_P, _I, _I, _I, _P], None),
+             "argmax_rows_f32": ([_P, _I, _I, _I, _P], None),
              "greedy_vectorized": ([], ctypes.c_int)}
+_KERNELS = {torch.bfloat16: "argmax_rows_bf16", torch.float32: "argmax_rows_f32"}
 
 
 @functools.cache
@@ -30,11 +32,13 @@ def library():
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """The index of each row's largest value of `logits` [m, V], as
     `logits.argmax(-1).tolist()` gives it."""
-    lib = library() if logits.device.type == "cpu" and logits.dtype == torch.bfloat16 else None
+    kernel = _KERNELS.get(logits.dtype) if logits.device.type == "cpu" else None
+    lib = library() if kernel else None
     if lib is None or logits.dim() != 2 or logits.stride(-1) != 1 or logits.shape[-1] == 0 \
             or logits.shape[0] == 0:
-        return logits.float().argmax(-1).tolist()
+        return logits.argmax(-1).tolist()
     rows, n = logits.shape
     out = torch.empty(rows, dtype=torch.int64)
-    lib.argmax_rows_bf16(logits.data_ptr(), rows, n, logits.stride(0), out.data_ptr())
+    getattr(lib, kernel)(logits.data_ptr(), rows, n, logits.stride(0), out.data_ptr())
     return out.tolist()
+
