@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,16 @@ def test_every_kernel_source_ships_with_the_package():
         "tool"]["setuptools"]["package-data"]["worker_service.kernels"]
     assert sorted(listed) == sorted(p.name for p in kernels.iterdir()
                                     if p.suffix in (".c", ".h"))
+
+
+@pytest.mark.parametrize("source", sorted(p.name for p in Path(native_build.__file__).parent
+                                          .glob("*.c")))
+def test_every_kernel_source_compiles(source, tmp_path):
+    """With the worker's own flags, on whatever CPU runs the tests: a library that does
+    not build is not an error at run time (the worker falls back, and its tests skip), so
+    without this a broken source would pass unnoticed."""
+    kernels = Path(native_build.__file__).parent
+    flags = [*native_build.CFLAGS, native_build.OPENMP]
+    out = subprocess.run([shutil.which("cc"), *flags, "-o", str(tmp_path / "lib.so"),
+                          str(kernels / source), "-lm"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -73,9 +73,13 @@ static inline int64_t shares_team(int parallel) {
 #endif
 }
 
-/* The calling thread's next unit: the front of its own share, else the back of the
- * first other share with units left; -1 when none are left. */
-static inline int64_t shares_next(struct shares *s) {
+/* The calling thread's next run of units, [*first, *first + return value): from the
+ * front of its own share up to the next multiple of `align` (or the share's end), else
+ * from the back of the first other share with units left, back to the previous multiple
+ * of `align` (or that share's front); 0 when none are left. A run never crosses a
+ * multiple of `align`, so a caller whose units come in aligned groups that are cheaper
+ * together (the query heads of one KV head) keeps them together where it can. */
+static inline int64_t shares_next_run(struct shares *s, int64_t align, int64_t *first) {
     int64_t me = 0;
 #ifdef _OPENMP
     me = omp_get_thread_num();
@@ -88,10 +92,13 @@ static inline int64_t shares_next(struct shares *s) {
         const int64_t front = (int64_t)(v & 0xffffffffu), end = (int64_t)(v >> 32);
         if (front >= end)
             break;
-        if (atomic_compare_exchange_weak_explicit(&s->of[me].left, &v,
-                                                  shares_pack(front + 1, end),
-                                                  memory_order_relaxed, memory_order_relaxed))
-            return front;
+        int64_t stop = (front / align + 1) * align;
+        stop = stop < end ? stop : end;
+        if (atomic_compare_exchange_weak_explicit(&s->of[me].left, &v, shares_pack(stop, end),
+                                                  memory_order_relaxed, memory_order_relaxed)) {
+            *first = front;
+            return stop - front;
+        }
     }
     for (int64_t i = 1; i <= s->threads; i++) {
         struct share *other = &s->of[(me + i) % s->threads];
@@ -100,14 +107,24 @@ static inline int64_t shares_next(struct shares *s) {
             const int64_t front = (int64_t)(v & 0xffffffffu), end = (int64_t)(v >> 32);
             if (front >= end)
                 break;
+            int64_t from = (end - 1) / align * align;
+            from = from > front ? from : front;
             if (atomic_compare_exchange_weak_explicit(&other->left, &v,
-                                                      shares_pack(front, end - 1),
+                                                      shares_pack(front, from),
                                                       memory_order_relaxed,
-                                                      memory_order_relaxed))
-                return end - 1;
+                                                      memory_order_relaxed)) {
+                *first = from;
+                return end - from;
+            }
         }
     }
-    return -1;
+    return 0;
+}
+
+/* The calling thread's next unit (a run of one); -1 when none are left. */
+static inline int64_t shares_next(struct shares *s) {
+    int64_t unit;
+    return shares_next_run(s, 1, &unit) ? unit : -1;
 }
 
 #endif
