@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "shares.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -457,13 +458,8 @@ static int64_t decode_cost(const int64_t *lengths, int64_t rows, int64_t per_row
     return total;
 }
 
-static void share_by_length(const int64_t *lengths, int64_t rows, int64_t per_row,
-                            int64_t window, int64_t total, int64_t *lo, int64_t *hi) {
-    int64_t t = 0, threads = 1;
-#ifdef _OPENMP
-    t = omp_get_thread_num();
-    threads = omp_get_num_threads();
-#endif
+static void share_of(const int64_t *lengths, int64_t rows, int64_t per_row, int64_t window,
+                     int64_t total, int64_t t, int64_t threads, int64_t *lo, int64_t *hi) {
     const int64_t units = rows * per_row;
     /* A unit goes to the thread whose part of the total it starts in. */
     const int64_t from = total * t / threads, to = total * (t + 1) / threads;
@@ -479,6 +475,17 @@ static void share_by_length(const int64_t *lengths, int64_t rows, int64_t per_ro
     }
     *lo = first;
     *hi = last;
+}
+
+/* share_of for the calling thread of the team. */
+static void share_by_length(const int64_t *lengths, int64_t rows, int64_t per_row,
+                            int64_t window, int64_t total, int64_t *lo, int64_t *hi) {
+    int64_t t = 0, threads = 1;
+#ifdef _OPENMP
+    t = omp_get_thread_num();
+    threads = omp_get_num_threads();
+#endif
+    share_of(lengths, rows, per_row, window, total, t, threads, lo, hi);
 }
 
 /* Each (row, head) pair of q attends through attend_one, split over torch's OpenMP team
@@ -529,10 +536,12 @@ static int attend_pairs(const void *q, const void *k, const void *v, void *out,
 #ifdef HAVE_AVX512_BF16
 /* Decoding with grouped-query attention: the query heads that share a KV head are taken
  * together (attend_group_avx512), the (row, query head) units split over torch's OpenMP
- * team by the rows' lengths as attend_pairs splits decoding pairs. A head's outputs do not
- * depend on which heads it is grouped with, so a share that cuts a KV head's group gives
- * the same bits. One row of 5448 slots (9 heads over 3): 0.28 ms on one thread, 0.17 ms
- * over two. */
+ * team by the rows' lengths as attend_pairs splits decoding pairs, each thread's share run
+ * front to back and then what is left of the other's taken from its back (shares.h: a
+ * static split left the other thread waiting whenever one was slowed). A head's outputs
+ * do not depend on which heads it is grouped with, so a share that cuts a KV head's group
+ * gives the same bits. One row of 5448 slots (9 heads over 3): 0.28 ms on one thread,
+ * 0.17 ms over two. */
 static int decode_groups_avx512(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                                 uint16_t *out, const int64_t *lengths, int64_t rows,
                                 int64_t heads, int64_t kv_heads, int64_t dim,
@@ -541,8 +550,16 @@ static int decode_groups_avx512(const uint16_t *q, const uint16_t *k, const uint
     const int64_t group = heads / kv_heads;
     const int64_t stride = (max_len > 0 ? max_len : 0) + 16;
     const int64_t total = decode_cost(lengths, rows, heads, window);
+    const int parallel = total >= 2 * MIN_COST_PER_THREAD;
+    struct shares shares;
+    shares.threads = shares_threads(shares_team(parallel));
+    for (int64_t t = 0; t < shares.threads; t++) {
+        int64_t lo, hi;
+        share_of(lengths, rows, heads, window, total, t, shares.threads, &lo, &hi);
+        shares_set(&shares, t, lo, hi);
+    }
     int status = 0;
-#pragma omp parallel if (total >= 2 * MIN_COST_PER_THREAD)
+#pragma omp parallel if (parallel)
     {
         float *scores = malloc(sizeof(float) * (size_t)(group < 4 ? group : 4)
                                * (size_t)stride);
@@ -550,13 +567,11 @@ static int decode_groups_avx512(const uint16_t *q, const uint16_t *k, const uint
 #pragma omp atomic write
             status = -2;
         }
-        /* Shares are of (row, query head) units, so that a few long rows still split
-         * over the team; each thread takes its heads of one KV head together. */
-        int64_t lo, hi;
-        share_by_length(lengths, rows, heads, window, total, &lo, &hi);
-        for (int64_t unit = lo; unit < hi && scores;) {
+        /* Units are (row, query head), so that a few long rows still split over the team;
+         * a run of them is some heads of one KV head, taken together. */
+        int64_t unit, m;
+        while (scores && (m = shares_next_run(&shares, group, &unit)) > 0) {
             const int64_t r = unit / heads, h = unit % heads;
-            const int64_t m = group - h % group < hi - unit ? group - h % group : hi - unit;
             const int64_t at = r * row_stride + (h / group) * head_stride;
             const uint16_t *qu = q + unit * dim;
             uint16_t *ou = out + unit * dim;
@@ -570,7 +585,6 @@ static int decode_groups_avx512(const uint16_t *q, const uint16_t *k, const uint
             else
                 attend_group_avx512(qu, k + at, v + at, ou, lengths[r], dim, m, scale,
                                     window, scores, stride);
-            unit += m;
         }
         free(scores);
     }
