@@ -128,6 +128,7 @@ def worker_metrics(before: dict[str, float], after: dict[str, float]) -> dict:
         "forward_s": delta("seqserve_worker_forward_seconds_sum"),
         "sampling_s": delta("seqserve_worker_sampling_seconds_sum"),
         "regroup_s": delta("seqserve_worker_regroup_seconds_sum"),
+        "regroup_bytes": delta("seqserve_worker_regroup_bytes_total"),
         "prefix_cache_s": delta("seqserve_worker_prefix_cache_seconds_sum"),
         "generated_tokens": delta("seqserve_worker_generated_tokens_total"),
         "prefix_cache_queries": delta("seqserve_worker_prefix_cache_queries_total"),

@@ -242,8 +242,9 @@ def peers_markdown(result: dict) -> str:
         parts.append(
             "Where seqserve's time goes (summed over the run's steps, s): scheduler plan "
             f"{s['plan']:.2f}, RPC {s['rpc']:.2f}, worker {s['worker']:.2f} (forward "
-            f"{w['forward_s']:.2f}, sampling {w['sampling_s']:.2f}, regroup {w['regroup_s']:.2f}),"
-            f" postprocess {s['postprocess']:.2f}; run duration {seq['duration_s']:.2f} s.")
+            f"{w['forward_s']:.2f}, sampling {w['sampling_s']:.2f}, regroup {w['regroup_s']:.2f}"
+            f"{_regroup_gb(w)}, prefix cache {w.get('prefix_cache_s', 0):.2f}), postprocess "
+            f"{s['postprocess']:.2f}; run duration {seq['duration_s']:.2f} s.")
     profile = dict(seq.get("profile") or {})
     if "skipped" in profile:
         parts.append(f"py-spy: {profile['skipped']}")
@@ -319,3 +320,9 @@ def ceiling_markdown(out: dict) -> str:
           f"{out['decode_step_ms']:.1f} / {out['decode_step_ms_median']:.1f}",
           f"{out['decode_tokens_per_s']:.0f}", f"{out['prefill_batch']} x {out['prompt_len']}",
           f"{out['prefill_tokens_per_s']:.0f}"]])])
+
+
+def _regroup_gb(worker: dict) -> str:
+    """The KV bytes regrouping copied, where the run's summary has them."""
+    n = worker.get("regroup_bytes")
+    return f" copying {n / 1e9:.2f} GB" if isinstance(n, (int, float)) and n == n else ""
