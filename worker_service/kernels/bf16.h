@@ -57,15 +57,18 @@ static inline __m256 exp8_le0(__m256 x) {
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
-#define HAVE_AVX512_BF16 1
 
 /* 16 bfloat16 widened to float32 (exact: a shift). */
 static inline __m512 load16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define HAVE_AVX512_BF16 1
 
 /* As store16, rounding subnormals as torch does (the conversion instruction flushes them
  * to zero) and every NaN to float_to_bf16's quiet NaN: float_to_bf16 on 16 lanes. */

@@ -22,32 +22,19 @@
 
 int greedy_vectorized(void) { return 1; }
 
-static inline __attribute__((always_inline)) int is_nan_at(const void *x, int64_t i, int bf16) {
-    if (bf16) {
-        const uint16_t b = ((const uint16_t *)x)[i];
-        return (b & 0x7f80u) == 0x7f80u && (b & 0x7fu);
-    }
-    const float f = ((const float *)x)[i];
-    return f != f;
-}
-
 static inline __attribute__((always_inline)) float value_at(const void *x, int64_t i, int bf16) {
     return bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
 
 /* Values i..i+15 of x as float32 lanes (bfloat16 widened exactly). */
 static inline __attribute__((always_inline)) __m512 load16_at(const void *x, int64_t i, int bf16) {
-    if (bf16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i))),
-            16));
-    return _mm512_loadu_ps((const float *)x + i);
+    return bf16 ? load16((const uint16_t *)x + i) : _mm512_loadu_ps((const float *)x + i);
 }
 
 /* The first NaN's index in row x of n values, or -1 where there is none. */
 static inline __attribute__((always_inline)) int64_t first_nan(const void *x, int64_t n, int bf16) {
     for (int64_t i = 0; i < n; i++)
-        if (is_nan_at(x, i, bf16))
+        if (value_at(x, i, bf16) != value_at(x, i, bf16))
             return i;
     return -1;
 }
@@ -87,9 +74,9 @@ static inline __attribute__((always_inline)) int64_t argmax_row(const void *x, i
             }
     }
     for (; i < n; i++) {
-        if (is_nan_at(x, i, bf16))
-            return first_nan(x, n, bf16);
         const float v = value_at(x, i, bf16);
+        if (v != v)
+            return first_nan(x, n, bf16);
         if (v > top) { /* later indices only win when strictly larger */
             top = v;
             index = i;
