@@ -106,7 +106,9 @@ def test_every_kernel_source_compiles(source, tmp_path):
     not build is not an error at run time (the worker falls back, and its tests skip), so
     without this a broken source would pass unnoticed."""
     kernels = Path(native_build.__file__).parent
-    flags = [*native_build.CFLAGS, native_build.OPENMP]
-    out = subprocess.run([shutil.which("cc"), *flags, "-o", str(tmp_path / "lib.so"),
-                          str(kernels / source), "-lm"], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-2000:]
+    try:
+        native_build.compile_library(native_build.compiler(),
+                                     (*native_build.CFLAGS, native_build.OPENMP),
+                                     kernels / source, tmp_path / "lib.so")
+    except subprocess.CalledProcessError as exc:
+        pytest.fail(f"{source} does not compile:\n{exc.stderr[-2000:]}")

@@ -42,7 +42,7 @@ def build(source: Path, switch: str, without: str, functions: Signatures) -> cty
     if os.environ.get(switch, "1") == "0":
         logger.info("%s off (%s=0): %s", source.name, switch, without)
         return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = compiler()
     if cc is None:
         logger.info("no C compiler found for %s: %s", source.name, without)
         return None
@@ -59,8 +59,7 @@ def build(source: Path, switch: str, without: str, functions: Signatures) -> cty
                     return loaded
             lib = Path(tmp) / f"{source.stem}{i}.so"
             try:
-                subprocess.run([cc, *flags, "-o", str(lib), str(source), "-lm"], check=True,
-                               capture_output=True, text=True, timeout=120)
+                compile_library(cc, flags, source, lib)
             except (OSError, subprocess.SubprocessError) as exc:
                 detail = str(getattr(exc, "stderr", "") or exc).strip()[:500]
                 continue
@@ -74,6 +73,18 @@ def build(source: Path, switch: str, without: str, functions: Signatures) -> cty
             return loaded
     logger.warning("could not build %s (%s): %s", source.name, detail, without)
     return None
+
+
+def compiler() -> str | None:
+    """The C compiler the worker builds with: $CC, else cc, else gcc; None if none."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def compile_library(cc: str, flags: tuple[str, ...], source: Path, lib: Path) -> None:
+    """Compile `source` into the shared library `lib`; raises CalledProcessError (with the
+    compiler's stderr) or TimeoutExpired when it does not build."""
+    subprocess.run([cc, *flags, "-o", str(lib), str(source), "-lm"], check=True,
+                   capture_output=True, text=True, timeout=120)
 
 
 def _load(lib: Path, functions: Signatures) -> ctypes.CDLL | None:
