@@ -243,23 +243,29 @@ def test_the_arena_maps_the_kv_budget_times_its_headroom():
     assert kv_arena(cfg, torch.device("meta")) is None
 
 
-def _anon_huge_kb(address: int) -> int | None:
-    """AnonHugePages (kB) of this process's mapping that holds `address`, from smaps."""
+def _mapping_of(address: int) -> dict[str, str]:
+    """The smaps fields (AnonHugePages, VmFlags, ...) of this process's mapping holding
+    `address`."""
+    fields: dict[str, str] = {}
     current = False
     for line in open("/proc/self/smaps"):
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
+            if current:
+                break
             lo, hi = (int(x, 16) for x in head.split("-"))
             current = lo <= address < hi
-        elif current and head == "AnonHugePages:":
-            return int(line.split()[1])
-    return None
+        elif current:
+            fields[head.rstrip(":")] = line.split(":", 1)[1].strip()
+    return fields
 
 
-def test_the_arena_is_faulted_in_on_huge_pages_where_the_kernel_offers_them():
+def test_the_arena_asks_for_huge_pages_where_the_kernel_offers_them():
     """The region starts on a 2 MiB boundary and, where Linux offers transparent huge
-    pages on request, is asked for them before it is first written, so the prefaulted
-    pages are 2 MiB ones (fewer TLB misses for a step's rows spread over gigabytes)."""
+    pages on request, is marked for them (madvise, smaps flag `hg`) before it is first
+    written, so the prefaulted pages can be 2 MiB ones (fewer TLB misses for a step's rows
+    spread over gigabytes). Whether the kernel then finds free 2 MiB pages depends on the
+    host's fragmentation, so the pages themselves are not asserted."""
     from worker_service.kv_arena import HUGE_PAGE
 
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -268,4 +274,5 @@ def test_the_arena_is_faulted_in_on_huge_pages_where_the_kernel_offers_them():
     a = KVArena(8 * HUGE_PAGE)
     assert a.buffer.data_ptr() % HUGE_PAGE == 0 and a.buffer.numel() == 8 * HUGE_PAGE
     assert a.huge_pages
-    assert (_anon_huge_kb(a.buffer.data_ptr()) or 0) >= 2048  # some 2 MiB pages back it
+    mapping = _mapping_of(a.buffer.data_ptr())
+    assert "hg" in mapping["VmFlags"].split(), mapping
