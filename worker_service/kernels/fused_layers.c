@@ -82,9 +82,10 @@ void rotary_bf16(const uint16_t *x, uint16_t *y, const uint16_t *cos, const uint
                  int64_t heads, int64_t tokens, int64_t dim, int64_t head_stride,
                  int64_t token_stride) {
     const int64_t half = dim / 2;
+    /* Tokens outermost: a token's cos and sin rows are read once for all its heads. */
 #pragma omp parallel for collapse(2) schedule(static) if (heads * tokens * dim >= MIN_PARALLEL)
-    for (int64_t h = 0; h < heads; h++)
-        for (int64_t t = 0; t < tokens; t++) {
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < heads; h++) {
             const uint16_t *xr = x + h * head_stride + t * token_stride;
             uint16_t *yr = y + (h * tokens + t) * dim;
             const uint16_t *c = cos + t * dim, *s = sin + t * dim;
@@ -135,9 +136,10 @@ __attribute__((optimize("fp-contract=off")))
 void rotary_f32(const float *x, float *y, const float *cos, const float *sin, int64_t heads,
                 int64_t tokens, int64_t dim, int64_t head_stride, int64_t token_stride) {
     const int64_t half = dim / 2;
+    /* Tokens outermost: a token's cos and sin rows are read once for all its heads. */
 #pragma omp parallel for collapse(2) schedule(static) if (heads * tokens * dim >= MIN_PARALLEL)
-    for (int64_t h = 0; h < heads; h++)
-        for (int64_t t = 0; t < tokens; t++) {
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < heads; h++) {
             const float *xr = x + h * head_stride + t * token_stride;
             float *yr = y + (h * tokens + t) * dim;
             const float *c = cos + t * dim, *s = sin + t * dim;
