@@ -416,25 +416,84 @@ def test_tiled_prompt_attention_reads_only_written_slots_and_ignores_chunking(
     assert torch.equal(torch.cat([first, rest]), got)
 
 
-@needs_amx
-def test_tiled_prompt_attention_runs_on_the_amx_tiles_where_the_cpu_has_them(tmp_path):
-    """With AMX the tiles' two products run on the tile unit: the same exact products
-    summed in the same order, rounded otherwise in the last bits, and a shorter exponential
-    in the softmax (relative error 1.1e-7), so a few outputs differ from the dot loop's (a
-    worker started with SEQSERVE_AMX=0) by a bfloat16 step; a wrong exponential (0.4%
-    off) changes far more of them."""
+def test_tiled_prompt_attention_takes_scores_far_above_a_rows_first_slots():
+    """The tiles' one-pass softmax scales a row's probabilities by its first 64 slots;
+    keys 150 times larger after them put later scores some 200 powers of two higher,
+    past float32's range unless the row is rescaled: the outputs stay those of float64
+    softmax."""
+    from worker_service.attention import build_mask
     from worker_service.kernels import native_attention
 
+    g = torch.Generator().manual_seed(11)
+    start, tokens = 10, 190
+    keys = torch.randn(2, 3, 256, 64, generator=g)
+    keys[:, :, 100:] *= 150
+    keys = keys.bfloat16()
+    values = torch.randn(keys.shape, generator=g).bfloat16()
+    query = torch.randn(tokens, 9, 64, generator=g).bfloat16()
+    got = native_attention.attend_prompt(query, keys, values, 1, start, 0.125, None)
+    kv_len = start + tokens
+    mask = build_mask(torch.tensor([start]), tokens, kv_len, None, None)
+    k = keys[1:2, :, :kv_len].double().repeat_interleave(3, 1)
+    v = values[1:2, :, :kv_len].double().repeat_interleave(3, 1)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query.double().transpose(0, 1)[None], k, v, attn_mask=mask,
+        scale=0.125)[0].transpose(0, 1)
+    assert torch.isfinite(got).all()
+    assert (got.double() - want).abs().max() < 0.02
+
+
+@needs_amx
+def test_tiled_prompt_attention_runs_on_the_amx_tiles_where_the_cpu_has_them(tmp_path):
+    """With AMX the tiles' products run on the tile unit and heads of up to 64 dimensions
+    take a one-pass softmax whose probabilities are scaled by each row's first 64 slots
+    rather than by its maximum, so many outputs differ from the dot loop's (a worker started
+    with SEQSERVE_AMX=0) in the last bit, but not in accuracy: against float64 their mean
+    error is within 5% of the dot loop's. With one-hot values (slot j adds to dimension
+    j mod 64) an output is a few probabilities over their total, so each is within two
+    bfloat16 roundings (probability, output: 2^-7 relative) of float64 softmax, and beyond
+    one rounding (2^-8) about as often as the dot loop's. An exponential with its slope
+    0.4% off breaks both (checked)."""
+    from worker_service.attention import build_mask
+    from worker_service.kernels import native_attention
+
+    def exact(query, keys, values, start):
+        tokens, heads, _ = query.shape
+        kv_len, group = start + tokens, heads // keys.shape[1]
+        mask = build_mask(torch.tensor([start]), tokens, kv_len, None, None)
+        k = keys[1:2, :, :kv_len].double().repeat_interleave(group, 1)
+        v = values[1:2, :, :kv_len].double().repeat_interleave(group, 1)
+        return torch.nn.functional.scaled_dot_product_attention(
+            query.double().transpose(0, 1)[None], k, v, attn_mask=mask,
+            scale=0.125)[0].transpose(0, 1)
+
+    script = ("from worker_service.kernels import native_attention as n\n"
+              "q, k, v = args\nresult = n.attend_prompt(q, k, v, 1, 20, 0.125, None)")
     g = torch.Generator().manual_seed(5)
     keys = torch.randn(2, 3, 300, 64, generator=g).bfloat16()
     values = torch.randn(keys.shape, generator=g).bfloat16()
     query = torch.randn(260, 9, 64, generator=g).bfloat16()
     tiles = native_attention.attend_prompt(query, keys, values, 1, 20, 0.125, None)
-    dot = without_amx(tmp_path, "from worker_service.kernels import native_attention as n\n"
-                      "q, k, v = args\nresult = n.attend_prompt(q, k, v, 1, 20, 0.125, None)",
-                      query, keys, values)
-    assert 0 < int((dot != tiles).sum()) < dot.numel() // 20
-    assert (dot.float() - tiles.float()).abs().max() <= 2 ** -6
+    dot = without_amx(tmp_path, script, query, keys, values)
+    assert int((dot != tiles).sum()) > 0  # the tiles ran, not the dot loop
+    want = exact(query, keys, values, 20)
+    tiles_error = (tiles.double() - want).abs().mean()
+    dot_error = (dot.double() - want).abs().mean()
+    assert tiles_error <= 1.05 * dot_error, (tiles_error, dot_error)
+
+    one_hot = torch.zeros(keys.shape, dtype=torch.bfloat16)
+    one_hot[:, :, torch.arange(300), torch.arange(300) % 64] = 1
+    keys = (keys.float() * 3).bfloat16()  # a wide spread: maxima past the first 64 slots
+    want = exact(query, keys, one_hot, 20)
+    seen = want > 1e-6  # below, the probabilities approach bfloat16's smallest steps
+    relative = {}
+    for name, got in (("tiles", native_attention.attend_prompt(query, keys, one_hot, 1, 20,
+                                                                0.125, None)),
+                      ("dot", without_amx(tmp_path, script, query, keys, one_hot))):
+        relative[name] = ((got.double() - want).abs() / want)[seen]
+        assert relative[name].max() <= 2 ** -7, (name, relative[name].max())
+    beyond = {name: float((r > 2 ** -8).float().mean()) for name, r in relative.items()}
+    assert beyond["tiles"] <= 1.05 * beyond["dot"], beyond
 
 
 def test_float32_kv_of_a_bfloat16_model_gives_its_tokens(monkeypatch):

@@ -35,7 +35,11 @@
  * tiles times two B tiles: each tile load feeds two products). The same exact products are
  * summed in float32 in the same order per query, rounded otherwise than the dot
  * instruction in the last bits, and the softmax takes a shorter exponential (2^x through
- * vscalefps, within 1.1e-7): once enabled, every prompt piece takes the tiles.
+ * vscalefps, within 1.1e-7): once enabled, every prompt piece takes the tiles. Heads of up
+ * to 64 dimensions (most small models) go 16 rows at a time through attend_rows_amx
+ * instead: one pass over the slots, scores and probabilities kept in L1, probabilities
+ * scaled by the row's first slots rather than its maximum (see there); as accurate, other
+ * last bits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -257,7 +261,8 @@ static void attend_tile(const uint16_t *q, uint16_t *out, const uint32_t *kp,
 /* 1 where Linux granted the tile state: prompts then take attend_tile_amx. */
 int amx_enable(void) { return amx_request(); }
 
-/* 2^t for finite t <= 0 (up to a rounding above); 0 far below. A degree-5 fit of 2^f on
+/* 2^t for finite t <= 0 (up to a rounding above; also t up to 127, for the 16-row loop's
+ * probabilities above 1); 0 far below. A degree-5 fit of 2^f on
  * [-1/2, 1/2] (relative error 1.1e-7) scaled by 2^n, n = t rounded (vscalefps underflows
  * to 0 where 2^n is out of range): about half of exp_le0's instructions. */
 static inline __m512 exp2_le0(__m512 t) {
@@ -366,6 +371,176 @@ static void values_amx(const uint16_t *p, int64_t n, const uint32_t *vt, int64_t
     }
 }
 
+/* Up to 16 rows of a tile (head dimension dim <= 64) in one pass over the slots, chunk by
+ * chunk, everything in the tiles and L1. The 32-row path below stores every row's float32
+ * scores for all n slots (megabytes at long prompts), reads them back for the maximum and
+ * again for the exponentials, and that traffic, not the arithmetic, is most of its time.
+ *
+ * Here a chunk's scores (16 rows x ATTN_CHUNK slots) go to L1, their probabilities too,
+ * and probabilities times values add into the output held in tiles 0-3 (16 rows x 64
+ * dimensions) across all chunks. A single pass needs no maximum known in advance: each row
+ * subtracts an integer m (in units of log2) fixed at its first chunk, the ceiling of that
+ * chunk's largest scaled score, and rounds 2^(c * score - m) to bfloat16. An integer m
+ * only scales the probabilities, their sum and the output sums by a power of two (up to
+ * the rounding of c * score - m), so the softmax needs no true maximum; probabilities
+ * above 1 are fine in float32 and bfloat16, and a row whose scores climb more than
+ * RESCALE_LOG2 above its m is rescaled by an exact power of two before it could overflow.
+ * m depends only on the row's own first slots (chunks start at lo, a multiple of 32 fixed
+ * by the window), so the bits do not depend on where a prompt was cut into pieces.
+ * qbuf: the rows' queries [16][dim]; from[r], to[r]: row r's slots [from, to) relative to
+ * lo; c = scale / ln 2. */
+/* 2^t for finite t up to 127, within 2.7e-6 (relative): t's fraction above its floor
+ * (vreduceps) into a degree-4 fit of 2^f on [0, 1), scaled by 2^floor(t) (vscalefps floors
+ * its exponent and underflows to 0). Six instructions against exp2_le0's nine: the
+ * 16-row loop's probabilities are rounded to bfloat16 (2^-9) after it. */
+static inline __m512 exp2_fast(__m512 t) {
+    const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 p = _mm512_set1_ps(1.35365780e-2f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.20068444e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.41445467e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93003356e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.00000262f));
+    return _mm512_scalef_ps(p, t);
+}
+
+#define ATTN_CHUNK 64
+#define RESCALE_LOG2 64.f
+static void attend_rows_amx(const uint16_t *qbuf, const uint32_t *kt, const uint32_t *vt,
+                            int64_t n, int64_t dim, int mr, const int64_t *from,
+                            const int64_t *to, float c, uint16_t *const *o) {
+    float sbuf[16 * ATTN_CHUNK] __attribute__((aligned(64)));
+    uint16_t pbuf[16 * ATTN_CHUNK] __attribute__((aligned(64)));
+    float acc[16 * 64] __attribute__((aligned(64)));
+    float m[16];
+    __m512 total[16];
+    const int64_t step = dim * 8; /* uint32 per 16-slot key block */
+    const __m512 cv = _mm512_set1_ps(c);
+    for (int r = 0; r < 16; r++) {
+        m[r] = -INFINITY; /* no slot seen yet */
+        total[r] = _mm512_setzero_ps();
+    }
+    _tile_zero(0); /* the output: tiles 0-3, 16 dimensions each (0-1 where dim is 32) */
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t i0 = 0; i0 < n; i0 += ATTN_CHUNK) {
+        const int64_t len = n - i0 < ATTN_CHUNK ? n - i0 : ATTN_CHUNK;
+        /* The chunk's scores into sbuf (tiles 4, 5; 6 and 7 the operands). */
+        for (int64_t j = 0; j < len; j += 32) {
+            _tile_zero(4);
+            _tile_zero(5);
+            for (int64_t d = 0; d < dim / 32; d++) {
+                const uint32_t *k = kt + (i0 + j) / 16 * step + d * 256;
+                _tile_loadd(6, qbuf + d * 32, dim * 2);
+                _tile_loadd(7, k, 64);
+                _tile_dpbf16ps(4, 6, 7);
+                _tile_loadd(7, k + step, 64);
+                _tile_dpbf16ps(5, 6, 7);
+            }
+            _tile_stored(4, sbuf + j, ATTN_CHUNK * 4);
+            _tile_stored(5, sbuf + j + 16, ATTN_CHUNK * 4);
+        }
+        amx_memory_barrier(); /* sbuf is read below */
+        int rescale = 0;
+        float factor[16];
+        for (int r = 0; r < mr; r++) {
+            const float *sr = sbuf + r * ATTN_CHUNK;
+            uint16_t *pr = pbuf + r * ATTN_CHUNK;
+            factor[r] = 1.f;
+            if (!(i0 + len > from[r] && i0 < to[r])) { /* none of the row's slots */
+                for (int64_t j = 0; j < len; j += 32)
+                    _mm512_store_si512(pr + j, _mm512_setzero_si512());
+                continue;
+            }
+            if (m[r] == -INFINITY) { /* the row's first chunk fixes m */
+                __m512 best = _mm512_set1_ps(-INFINITY);
+                for (int64_t j = 0; j < len; j += 16)
+                    best = _mm512_mask_max_ps(best, lane_mask(i0 + j, from[r], to[r]), best,
+                                              _mm512_load_ps(sr + j));
+                m[r] = _mm512_reduce_max_ps(best) * c;
+            }
+            for (int pass = 0; pass < 2; pass++) {
+                const __m512 mv = _mm512_set1_ps(m[r]);
+                __m512 high = _mm512_set1_ps(-INFINITY), sum = total[r];
+                for (int64_t j = 0; j < len; j += 32) {
+                    const int64_t i = i0 + j;
+                    __m512 t0 = _mm512_fmsub_ps(_mm512_load_ps(sr + j), cv, mv);
+                    __m512 t1 = _mm512_fmsub_ps(_mm512_load_ps(sr + j + 16), cv, mv);
+                    __m512 e0, e1;
+                    if (i >= from[r] && i + 32 <= to[r]) {
+                        high = _mm512_max_ps(high, _mm512_max_ps(t0, t1));
+                        e0 = exp2_fast(t0);
+                        e1 = exp2_fast(t1);
+                    } else {
+                        const __mmask16 k0 = lane_mask(i, from[r], to[r]);
+                        const __mmask16 k1 = lane_mask(i + 16, from[r], to[r]);
+                        high = _mm512_mask_max_ps(high, k0, high, t0);
+                        high = _mm512_mask_max_ps(high, k1, high, t1);
+                        e0 = _mm512_maskz_mov_ps(k0, exp2_fast(t0));
+                        e1 = _mm512_maskz_mov_ps(k1, exp2_fast(t1));
+                    }
+                    sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+                    _mm512_store_si512(pr + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+                }
+                const float top = _mm512_reduce_max_ps(high);
+                if (top <= RESCALE_LOG2) {
+                    total[r] = sum;
+                    break;
+                }
+                /* Scores far above m: a new m, the row's sum and output scaled to it. */
+                const float shift = ceilf(top);
+                factor[r] = exp2f(-shift);
+                total[r] = _mm512_mul_ps(total[r], _mm512_set1_ps(factor[r]));
+                m[r] += shift;
+                rescale = 1;
+            }
+        }
+        if (rescale) { /* the output so far, scaled like its row's sum */
+            _tile_stored(0, acc, 256);
+            _tile_stored(1, acc + 16, 256);
+            _tile_stored(2, acc + 32, 256);
+            _tile_stored(3, acc + 48, 256);
+            amx_memory_barrier();
+            for (int r = 0; r < mr; r++)
+                for (int64_t d = 0; d < 64; d += 16)
+                    _mm512_store_ps(acc + r * 64 + d, _mm512_mul_ps(
+                        _mm512_load_ps(acc + r * 64 + d), _mm512_set1_ps(factor[r])));
+            amx_memory_barrier();
+            _tile_loadd(0, acc, 256);
+            _tile_loadd(1, acc + 16, 256);
+            _tile_loadd(2, acc + 32, 256);
+            _tile_loadd(3, acc + 48, 256);
+        }
+        amx_memory_barrier(); /* the tile loads below read pbuf */
+        for (int64_t j = 0; j < len; j += 32) {
+            const uint32_t *v = vt + (i0 + j) / 2 * dim;
+            _tile_loadd(6, pbuf + j, ATTN_CHUNK * 2);
+            _tile_loadd(7, v, dim * 4);
+            _tile_dpbf16ps(0, 6, 7);
+            _tile_loadd(7, v + 16, dim * 4);
+            _tile_dpbf16ps(1, 6, 7);
+            if (dim == 64) {
+                _tile_loadd(7, v + 32, dim * 4);
+                _tile_dpbf16ps(2, 6, 7);
+                _tile_loadd(7, v + 48, dim * 4);
+                _tile_dpbf16ps(3, 6, 7);
+            }
+        }
+    }
+    _tile_stored(0, acc, 256);
+    _tile_stored(1, acc + 16, 256);
+    _tile_stored(2, acc + 32, 256);
+    _tile_stored(3, acc + 48, 256);
+    amx_memory_barrier(); /* acc, stored by the tiles, is read below */
+    for (int r = 0; r < mr; r++) {
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total[r]));
+        for (int64_t d0 = 0; d0 < dim; d0 += 32)
+            _mm512_storeu_si512(o[r] + d0, (__m512i)_mm512_cvtne2ps_pbh(
+                _mm512_mul_ps(_mm512_load_ps(acc + r * 64 + d0 + 16), inv),
+                _mm512_mul_ps(_mm512_load_ps(acc + r * 64 + d0), inv)));
+    }
+}
+
 /* attend_tile on the tiles, 32 rows at a time; *configured: the rows the calling thread's
  * tiles are configured for (0: none yet). Whole 16-row tiles always: a group's rows past
  * the tile's last are computed from stale buffer rows (s and p hold a multiple of 32
@@ -382,6 +557,24 @@ static void attend_tile_amx(const uint16_t *q, uint16_t *out, const uint32_t *kp
     uint16_t qbuf[32 * MAX_DIM] __attribute__((aligned(64)));
     float inv[AMX_TILE_ROWS];
     amx_ensure(configured, 16);
+    if (dim <= 64) {
+        for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+            const int mr = rows - r0 >= 16 ? 16 : (int)(rows - r0);
+            int64_t from[16], to[16];
+            uint16_t *o[16];
+            for (int r = 0; r < mr; r++) {
+                const int64_t row = r0 + r, e = start + t0 + row / group + 1;
+                from[r] = (window > 0 && e > window ? e - window : 0) - lo;
+                to[r] = e - lo;
+                o[r] = out + head_row(row, t0, h, heads, group) * dim;
+                memcpy(qbuf + r * dim, q + head_row(row, t0, h, heads, group) * dim,
+                       (size_t)dim * sizeof(uint16_t));
+            }
+            amx_memory_barrier(); /* the tile loads read qbuf */
+            attend_rows_amx(qbuf, kt, vt, n, dim, mr, from, to, scale * 1.44269504f, o);
+        }
+        return;
+    }
     for (int64_t r0 = 0; r0 < rows; r0 += 32) {
         const int mr = rows - r0 >= 32 ? 32 : (int)(rows - r0);
         for (int r = 0; r < mr; r++)
