@@ -482,13 +482,12 @@ static void attend_rows_amx(const uint16_t *qbuf, const uint32_t *kt, const uint
                     sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
                     _mm512_store_si512(pr + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
                 }
-                const float top = _mm512_reduce_max_ps(high);
-                if (top <= RESCALE_LOG2) {
+                if (!_mm512_cmp_ps_mask(high, _mm512_set1_ps(RESCALE_LOG2), _CMP_GT_OQ)) {
                     total[r] = sum;
                     break;
                 }
                 /* Scores far above m: a new m, the row's sum and output scaled to it. */
-                const float shift = ceilf(top);
+                const float shift = ceilf(_mm512_reduce_max_ps(high));
                 factor[r] = exp2f(-shift);
                 total[r] = _mm512_mul_ps(total[r], _mm512_set1_ps(factor[r]));
                 m[r] += shift;
@@ -571,7 +570,11 @@ static void attend_tile_amx(const uint16_t *q, uint16_t *out, const uint32_t *kp
                        (size_t)dim * sizeof(uint16_t));
             }
             amx_memory_barrier(); /* the tile loads read qbuf */
-            attend_rows_amx(qbuf, kt, vt, n, dim, mr, from, to, scale * 1.44269504f, o);
+            /* The group's slots end at its last row's: the tile's later chunks would add
+             * only zeros to these rows. */
+            const int64_t seen = (to[mr - 1] + 31) / 32 * 32;
+            attend_rows_amx(qbuf, kt, vt, seen < n ? seen : n, dim, mr, from, to,
+                            scale * 1.44269504f, o);
         }
         return;
     }
