@@ -443,6 +443,27 @@ def test_tiled_prompt_attention_takes_scores_far_above_a_rows_first_slots():
     assert (got.double() - want).abs().max() < 0.02
 
 
+@pytest.mark.parametrize("window", [None, 40, 100])
+def test_tiled_prompt_attention_gives_whole_prompt_bits_at_every_cut(window):
+    """A prompt attended in two pieces, cut anywhere, gives the bits of the whole prompt,
+    with sliding windows too (whose rows start their slots at different places in each
+    piece's tiles): what chunked prefill and prefix-cache hits rely on."""
+    from worker_service.kernels import native_attention
+
+    g = torch.Generator().manual_seed(3)
+    start, tokens = 27, 230
+    keys = torch.randn(2, 3, start + tokens + 5, 64, generator=g).bfloat16()
+    values = torch.randn(keys.shape, generator=g).bfloat16()
+    query = torch.randn(tokens, 9, 64, generator=g).bfloat16()
+    whole = native_attention.attend_prompt(query, keys, values, 1, start, 0.125, window)
+    for cut in range(5, tokens, 11):
+        first = native_attention.attend_prompt(query[:cut], keys, values, 1, start, 0.125,
+                                               window)
+        rest = native_attention.attend_prompt(query[cut:], keys, values, 1, start + cut,
+                                              0.125, window)
+        assert torch.equal(torch.cat([first, rest]), whole), cut
+
+
 @needs_amx
 def test_tiled_prompt_attention_runs_on_the_amx_tiles_where_the_cpu_has_them(tmp_path):
     """With AMX the tiles' products run on the tile unit and heads of up to 64 dimensions

@@ -385,8 +385,10 @@ static void values_amx(const uint16_t *p, int64_t n, const uint32_t *vt, int64_t
  * the rounding of c * score - m), so the softmax needs no true maximum; probabilities
  * above 1 are fine in float32 and bfloat16, and a row whose scores climb more than
  * RESCALE_LOG2 above its m is rescaled by an exact power of two before it could overflow.
- * m depends only on the row's own first slots (chunks start at lo, a multiple of 32 fixed
- * by the window), so the bits do not depend on where a prompt was cut into pieces.
+ * The chunks lie on absolute multiples of ATTN_CHUNK slots (the first one starts at lo and
+ * ends at the next such multiple: off = lo % ATTN_CHUNK), so a row's m depends only on its
+ * own slots, never on which tile or piece of a prompt it came in: the bits do not depend on
+ * where a prompt was cut.
  * qbuf: the rows' queries [16][dim]; from[r], to[r]: row r's slots [from, to) relative to
  * lo; c = scale / ln 2. */
 /* 2^t for finite t up to 127, within 2.7e-6 (relative): t's fraction above its floor
@@ -406,7 +408,7 @@ static inline __m512 exp2_fast(__m512 t) {
 #define ATTN_CHUNK 64
 #define RESCALE_LOG2 64.f
 static void attend_rows_amx(const uint16_t *qbuf, const uint32_t *kt, const uint32_t *vt,
-                            int64_t n, int64_t dim, int mr, const int64_t *from,
+                            int64_t n, int64_t off, int64_t dim, int mr, const int64_t *from,
                             const int64_t *to, float c, uint16_t *const *o) {
     float sbuf[16 * ATTN_CHUNK] __attribute__((aligned(64)));
     uint16_t pbuf[16 * ATTN_CHUNK] __attribute__((aligned(64)));
@@ -423,8 +425,10 @@ static void attend_rows_amx(const uint16_t *qbuf, const uint32_t *kt, const uint
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int64_t i0 = 0; i0 < n; i0 += ATTN_CHUNK) {
-        const int64_t len = n - i0 < ATTN_CHUNK ? n - i0 : ATTN_CHUNK;
+    for (int64_t i0 = 0, end; i0 < n; i0 = end) {
+        end = (i0 + off) / ATTN_CHUNK * ATTN_CHUNK + ATTN_CHUNK - off;
+        end = end < n ? end : n;
+        const int64_t len = end - i0;
         /* The chunk's scores into sbuf (tiles 4, 5; 6 and 7 the operands). */
         for (int64_t j = 0; j < len; j += 32) {
             _tile_zero(4);
@@ -573,8 +577,8 @@ static void attend_tile_amx(const uint16_t *q, uint16_t *out, const uint32_t *kp
             /* The group's slots end at its last row's: the tile's later chunks would add
              * only zeros to these rows. */
             const int64_t seen = (to[mr - 1] + 31) / 32 * 32;
-            attend_rows_amx(qbuf, kt, vt, seen < n ? seen : n, dim, mr, from, to,
-                            scale * 1.44269504f, o);
+            attend_rows_amx(qbuf, kt, vt, seen < n ? seen : n, lo % ATTN_CHUNK, dim, mr, from,
+                            to, scale * 1.44269504f, o);
         }
         return;
     }
