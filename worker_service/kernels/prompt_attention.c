@@ -261,8 +261,7 @@ static void attend_tile(const uint16_t *q, uint16_t *out, const uint32_t *kp,
 /* 1 where Linux granted the tile state: prompts then take attend_tile_amx. */
 int amx_enable(void) { return amx_request(); }
 
-/* 2^t for finite t <= 0 (up to a rounding above; also t up to 127, for the 16-row loop's
- * probabilities above 1); 0 far below. A degree-5 fit of 2^f on
+/* 2^t for finite t <= 0 (up to a rounding above); 0 far below. A degree-5 fit of 2^f on
  * [-1/2, 1/2] (relative error 1.1e-7) scaled by 2^n, n = t rounded (vscalefps underflows
  * to 0 where 2^n is out of range): about half of exp_le0's instructions. */
 static inline __m512 exp2_le0(__m512 t) {
@@ -371,26 +370,6 @@ static void values_amx(const uint16_t *p, int64_t n, const uint32_t *vt, int64_t
     }
 }
 
-/* Up to 16 rows of a tile (head dimension dim <= 64) in one pass over the slots, chunk by
- * chunk, everything in the tiles and L1. The 32-row path below stores every row's float32
- * scores for all n slots (megabytes at long prompts), reads them back for the maximum and
- * again for the exponentials, and that traffic, not the arithmetic, is most of its time.
- *
- * Here a chunk's scores (16 rows x ATTN_CHUNK slots) go to L1, their probabilities too,
- * and probabilities times values add into the output held in tiles 0-3 (16 rows x 64
- * dimensions) across all chunks. A single pass needs no maximum known in advance: each row
- * subtracts an integer m (in units of log2) fixed at its first chunk, the ceiling of that
- * chunk's largest scaled score, and rounds 2^(c * score - m) to bfloat16. An integer m
- * only scales the probabilities, their sum and the output sums by a power of two (up to
- * the rounding of c * score - m), so the softmax needs no true maximum; probabilities
- * above 1 are fine in float32 and bfloat16, and a row whose scores climb more than
- * RESCALE_LOG2 above its m is rescaled by an exact power of two before it could overflow.
- * The chunks lie on absolute multiples of ATTN_CHUNK slots (the first one starts at lo and
- * ends at the next such multiple: off = lo % ATTN_CHUNK), so a row's m depends only on its
- * own slots, never on which tile or piece of a prompt it came in: the bits do not depend on
- * where a prompt was cut.
- * qbuf: the rows' queries [16][dim]; from[r], to[r]: row r's slots [from, to) relative to
- * lo; c = scale / ln 2. */
 /* 2^t for finite t up to 127, within 2.7e-6 (relative): t's fraction above its floor
  * (vreduceps) into a degree-4 fit of 2^f on [0, 1), scaled by 2^floor(t) (vscalefps floors
  * its exponent and underflows to 0). Six instructions against exp2_le0's nine: the
@@ -407,6 +386,28 @@ static inline __m512 exp2_fast(__m512 t) {
 
 #define ATTN_CHUNK 64
 #define RESCALE_LOG2 64.f
+/* Up to 16 rows of a tile (head dimension dim <= 64) in one pass over the slots, chunk by
+ * chunk, everything in the tiles and L1. The 32-row path below stores every row's float32
+ * scores for all n slots (megabytes at long prompts), reads them back for the maximum and
+ * again for the exponentials, and that traffic, not the arithmetic, is most of its time.
+ *
+ * Here a chunk's scores (16 rows x ATTN_CHUNK slots) go to L1, their probabilities too,
+ * and probabilities times values add into the output held in tiles 0-3 (16 rows x 64
+ * dimensions) across all chunks. A single pass needs no maximum known in advance: each row
+ * subtracts m, its largest scaled score among the slots of its first chunk, and rounds
+ * 2^(c * score - m) to bfloat16. A later, larger score gives a probability above 1, which
+ * float32 and bfloat16 hold; the row's sum and output sums carry the same scale, which the
+ * division at the end removes. A row whose scores climb more than RESCALE_LOG2 powers of
+ * two above m has m raised and its sum and output sums scaled by an exact power of two
+ * first, before they could overflow. As accurate as the 32-row loop within a few percent
+ * of mean error (a row's largest probability is exactly 1 only where its largest score is
+ * in its first chunk).
+ * The chunks lie on absolute multiples of ATTN_CHUNK slots (the first one starts at lo and
+ * ends at the next such multiple: off = lo % ATTN_CHUNK), so a row's m depends only on its
+ * own slots, never on which tile or piece of a prompt it came in: the bits do not depend on
+ * where a prompt was cut.
+ * qbuf: the rows' queries [16][dim]; from[r], to[r]: row r's slots [from, to) relative to
+ * lo; c = scale / ln 2. */
 static void attend_rows_amx(const uint16_t *qbuf, const uint32_t *kt, const uint32_t *vt,
                             int64_t n, int64_t off, int64_t dim, int mr, const int64_t *from,
                             const int64_t *to, float c, uint16_t *const *o) {
