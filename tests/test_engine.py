@@ -351,6 +351,22 @@ def test_native_decode_attention_splits_a_few_long_rows_over_threads_with_the_sa
         assert (shared[r].float() - want).abs().max() < 0.02, f"row {r}"
 
 
+def _causal_sdpa(query, keys, values, row, start, scale, window, dtype=torch.float32):
+    """Reference causal attention of `query` [tokens, heads, dim] at slots start.. of
+    buffer row `row` of keys/values [rows, kv_heads, slots, dim], in `dtype` through SDPA
+    with the mask the worker builds. Returns [tokens, heads, dim]."""
+    from worker_service.attention import build_mask
+
+    tokens, heads, _ = query.shape
+    kv_len, group = start + tokens, heads // keys.shape[1]
+    mask = build_mask(torch.tensor([start]), tokens, kv_len, None, window)  # [1, 1, q, kv]
+    k = keys[row:row + 1, :, :kv_len].to(dtype).repeat_interleave(group, 1)
+    v = values[row:row + 1, :, :kv_len].to(dtype).repeat_interleave(group, 1)
+    return torch.nn.functional.scaled_dot_product_attention(
+        query.to(dtype).transpose(0, 1)[None], k, v, attn_mask=mask,
+        scale=scale)[0].transpose(0, 1)
+
+
 @pytest.mark.parametrize("heads,kv_heads,window,dim", NATIVE_SHAPES)
 @pytest.mark.parametrize("start", [0, 21])
 def test_native_prompt_attention_matches_causal_sdpa(heads, kv_heads, window, dim, start):
@@ -358,7 +374,6 @@ def test_native_prompt_attention_matches_causal_sdpa(heads, kv_heads, window, di
     of one row after `start` slots already held (a prefix-cache hit), over a buffer with
     other rows and spare slots around it."""
     from worker_service.kernels import native_attention
-    from worker_service.attention import build_mask
 
     g = torch.Generator().manual_seed(heads + dim + start)
     tokens, cap, row = 37, 64, 1
@@ -366,12 +381,7 @@ def test_native_prompt_attention_matches_causal_sdpa(heads, kv_heads, window, di
     values = torch.randn(keys.shape, generator=g).bfloat16()
     query = torch.randn(tokens, heads, dim, generator=g).bfloat16()
     got = native_attention.attend_prompt(query, keys, values, row, start, 0.3, window)
-    kv_len = start + tokens
-    mask = build_mask(torch.tensor([start]), tokens, kv_len, None, window)  # [1, 1, q, kv]
-    k = keys[row:row + 1, :, :kv_len].float().repeat_interleave(heads // kv_heads, 1)
-    v = values[row:row + 1, :, :kv_len].float().repeat_interleave(heads // kv_heads, 1)
-    want = torch.nn.functional.scaled_dot_product_attention(
-        query.float().transpose(0, 1)[None], k, v, attn_mask=mask, scale=0.3)[0].transpose(0, 1)
+    want = _causal_sdpa(query, keys, values, row, start, 0.3, window)
     assert got.dtype == torch.bfloat16 and got.shape == query.shape
     assert (got.float() - want).abs().max() < 0.02
 
@@ -385,7 +395,6 @@ def test_tiled_prompt_attention_reads_only_written_slots_and_ignores_chunking(
     may hold; and the same queries in two chunks give the same bits (each query's
     numbers depend on its own slots only, so chunked prefill equals a whole one)."""
     from worker_service.kernels import native_attention
-    from worker_service.attention import build_mask
 
     assert native_attention.tiled_kernel() is not None
     g = torch.Generator().manual_seed(heads * dim + 7)
@@ -395,12 +404,7 @@ def test_tiled_prompt_attention_reads_only_written_slots_and_ignores_chunking(
     keys[:, :, start + tokens:] = values[:, :, start + tokens:] = float("nan")
     query = torch.randn(tokens, heads, dim, generator=g).bfloat16()
     got = native_attention.attend_prompt(query, keys, values, row, start, 0.3, window)
-    kv_len = start + tokens
-    mask = build_mask(torch.tensor([start]), tokens, kv_len, None, window)
-    k = keys[row:row + 1, :, :kv_len].float().repeat_interleave(heads // kv_heads, 1)
-    v = values[row:row + 1, :, :kv_len].float().repeat_interleave(heads // kv_heads, 1)
-    want = torch.nn.functional.scaled_dot_product_attention(
-        query.float().transpose(0, 1)[None], k, v, attn_mask=mask, scale=0.3)[0].transpose(0, 1)
+    want = _causal_sdpa(query, keys, values, row, start, 0.3, window)
     assert (got.float() - want).abs().max() < 0.02
     cut = 64 + 5  # a chunk end inside a tile and a block
     first = native_attention.attend_prompt(query[:cut], keys, values, row, start, 0.3, window)
@@ -421,7 +425,6 @@ def test_tiled_prompt_attention_takes_scores_far_above_a_rows_first_slots():
     keys 150 times larger after them put later scores some 200 powers of two higher,
     past float32's range unless the row is rescaled: the outputs stay those of float64
     softmax."""
-    from worker_service.attention import build_mask
     from worker_service.kernels import native_attention
 
     g = torch.Generator().manual_seed(11)
@@ -432,13 +435,7 @@ def test_tiled_prompt_attention_takes_scores_far_above_a_rows_first_slots():
     values = torch.randn(keys.shape, generator=g).bfloat16()
     query = torch.randn(tokens, 9, 64, generator=g).bfloat16()
     got = native_attention.attend_prompt(query, keys, values, 1, start, 0.125, None)
-    kv_len = start + tokens
-    mask = build_mask(torch.tensor([start]), tokens, kv_len, None, None)
-    k = keys[1:2, :, :kv_len].double().repeat_interleave(3, 1)
-    v = values[1:2, :, :kv_len].double().repeat_interleave(3, 1)
-    want = torch.nn.functional.scaled_dot_product_attention(
-        query.double().transpose(0, 1)[None], k, v, attn_mask=mask,
-        scale=0.125)[0].transpose(0, 1)
+    want = _causal_sdpa(query, keys, values, 1, start, 0.125, None, torch.float64)
     assert torch.isfinite(got).all()
     assert (got.double() - want).abs().max() < 0.02
 
@@ -475,18 +472,7 @@ def test_tiled_prompt_attention_runs_on_the_amx_tiles_where_the_cpu_has_them(tmp
     bfloat16 roundings (probability, output: 2^-7 relative) of float64 softmax, and beyond
     one rounding (2^-8) about as often as the dot loop's. An exponential with its slope
     0.4% off breaks both (checked)."""
-    from worker_service.attention import build_mask
     from worker_service.kernels import native_attention
-
-    def exact(query, keys, values, start):
-        tokens, heads, _ = query.shape
-        kv_len, group = start + tokens, heads // keys.shape[1]
-        mask = build_mask(torch.tensor([start]), tokens, kv_len, None, None)
-        k = keys[1:2, :, :kv_len].double().repeat_interleave(group, 1)
-        v = values[1:2, :, :kv_len].double().repeat_interleave(group, 1)
-        return torch.nn.functional.scaled_dot_product_attention(
-            query.double().transpose(0, 1)[None], k, v, attn_mask=mask,
-            scale=0.125)[0].transpose(0, 1)
 
     script = ("from worker_service.kernels import native_attention as n\n"
               "q, k, v = args\nresult = n.attend_prompt(q, k, v, 1, 20, 0.125, None)")
@@ -497,7 +483,7 @@ def test_tiled_prompt_attention_runs_on_the_amx_tiles_where_the_cpu_has_them(tmp
     tiles = native_attention.attend_prompt(query, keys, values, 1, 20, 0.125, None)
     dot = without_amx(tmp_path, script, query, keys, values)
     assert int((dot != tiles).sum()) > 0  # the tiles ran, not the dot loop
-    want = exact(query, keys, values, 20)
+    want = _causal_sdpa(query, keys, values, 1, 20, 0.125, None, torch.float64)
     tiles_error = (tiles.double() - want).abs().mean()
     dot_error = (dot.double() - want).abs().mean()
     assert tiles_error <= 1.05 * dot_error, (tiles_error, dot_error)
@@ -505,7 +491,7 @@ def test_tiled_prompt_attention_runs_on_the_amx_tiles_where_the_cpu_has_them(tmp
     one_hot = torch.zeros(keys.shape, dtype=torch.bfloat16)
     one_hot[:, :, torch.arange(300), torch.arange(300) % 64] = 1
     keys = (keys.float() * 3).bfloat16()  # a wide spread: maxima past the first 64 slots
-    want = exact(query, keys, one_hot, 20)
+    want = _causal_sdpa(query, keys, one_hot, 1, 20, 0.125, None, torch.float64)
     seen = want > 1e-6  # below, the probabilities approach bfloat16's smallest steps
     relative = {}
     for name, got in (("tiles", native_attention.attend_prompt(query, keys, one_hot, 1, 20,

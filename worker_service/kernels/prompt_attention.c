@@ -199,6 +199,12 @@ static float softmax_row(float *s, uint16_t *p, int64_t n, int64_t lo, int64_t f
 typedef float (*softmax_row_fn)(float *s, uint16_t *p, int64_t n, int64_t lo, int64_t first,
                                 int64_t end, float scale);
 
+/* The first slot a query sees whose slots end at `end` (exclusive): the last `window`
+ * slots when set, else all from 0. */
+static inline int64_t first_seen(int64_t end, int64_t window) {
+    return window > 0 && end > window ? end - window : 0;
+}
+
 /* row_fn for a tile's rows (row stride n): row r is a query of the token at slot
  * first_slot + r / group, which sees up to its own slot, the last `window` slots when set;
  * inv[r] = 1 / its sum. */
@@ -207,8 +213,7 @@ static void softmax_rows(softmax_row_fn row_fn, float *s, uint16_t *p, float *in
                          int64_t group, int64_t window, float scale) {
     for (int64_t row = 0; row < rows; row++) {
         const int64_t e = first_slot + row / group + 1;
-        const int64_t f = window > 0 && e > window ? e - window : 0;
-        inv[row] = row_fn(s + row * n, p + row * n, n, lo, f, e, scale);
+        inv[row] = row_fn(s + row * n, p + row * n, n, lo, first_seen(e, window), e, scale);
     }
 }
 
@@ -386,6 +391,17 @@ static inline __m512 exp2_fast(__m512 t) {
 
 #define ATTN_CHUNK 64
 #define RESCALE_LOG2 64.f
+
+/* The output sums of the one-pass loop (tiles 0-3: 16 rows x 64 dimensions) into acc
+ * [16][64] float32, ready to read. */
+static inline void store_output(float *acc) {
+    _tile_stored(0, acc, 256);
+    _tile_stored(1, acc + 16, 256);
+    _tile_stored(2, acc + 32, 256);
+    _tile_stored(3, acc + 48, 256);
+    amx_memory_barrier(); /* acc, stored by the tiles, is read next */
+}
+
 /* Up to 16 rows of a tile (head dimension dim <= 64) in one pass over the slots, chunk by
  * chunk, everything in the tiles and L1. The 32-row path below stores every row's float32
  * scores for all n slots (megabytes at long prompts), reads them back for the maximum and
@@ -500,11 +516,7 @@ static void attend_rows_amx(const uint16_t *qbuf, const uint32_t *kt, const uint
             }
         }
         if (rescale) { /* the output so far, scaled like its row's sum */
-            _tile_stored(0, acc, 256);
-            _tile_stored(1, acc + 16, 256);
-            _tile_stored(2, acc + 32, 256);
-            _tile_stored(3, acc + 48, 256);
-            amx_memory_barrier();
+            store_output(acc);
             for (int r = 0; r < mr; r++)
                 for (int64_t d = 0; d < 64; d += 16)
                     _mm512_store_ps(acc + r * 64 + d, _mm512_mul_ps(
@@ -531,11 +543,7 @@ static void attend_rows_amx(const uint16_t *qbuf, const uint32_t *kt, const uint
             }
         }
     }
-    _tile_stored(0, acc, 256);
-    _tile_stored(1, acc + 16, 256);
-    _tile_stored(2, acc + 32, 256);
-    _tile_stored(3, acc + 48, 256);
-    amx_memory_barrier(); /* acc, stored by the tiles, is read below */
+    store_output(acc);
     for (int r = 0; r < mr; r++) {
         const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total[r]));
         for (int64_t d0 = 0; d0 < dim; d0 += 32)
@@ -568,7 +576,7 @@ static void attend_tile_amx(const uint16_t *q, uint16_t *out, const uint32_t *kp
             uint16_t *o[16];
             for (int r = 0; r < mr; r++) {
                 const int64_t row = r0 + r, e = start + t0 + row / group + 1;
-                from[r] = (window > 0 && e > window ? e - window : 0) - lo;
+                from[r] = first_seen(e, window) - lo;
                 to[r] = e - lo;
                 o[r] = out + head_row(row, t0, h, heads, group) * dim;
                 memcpy(qbuf + r * dim, q + head_row(row, t0, h, heads, group) * dim,
