@@ -198,3 +198,51 @@ def _greedy(runner, prompt: list[int], steps: int) -> list[int]:
             out.append(int(runner.logits(runner.forward(batch)).argmax()))
             group.advance(0, 1)
     return out
+
+
+def _linear_silu(x, packed, b, inter) -> torch.Tensor | None:
+    """linear_silu_dpbf16 of x [rows, k]; None where it declined (-1)."""
+    from worker_service.kernels import fused_layers
+
+    out = torch.full((x.shape[0], inter), float("nan"), dtype=torch.bfloat16)
+    status = dpbf16_linear.library().linear_silu_dpbf16(
+        x.data_ptr(), packed.data_ptr(), None if b is None else b.data_ptr(), out.data_ptr(),
+        x.shape[0], inter, x.shape[1], x.stride(0), fused_layers.silu_table().data_ptr())
+    return None if status else out
+
+
+@needs_library
+@needs_amx
+@pytest.mark.parametrize("k,inter,bias", [(576, 1536, False), (1024, 96, True), (64, 32, True)])
+def test_the_gate_product_and_its_silu_in_one_pass_have_the_bits_of_the_two_apart(
+        k, inter, bias):
+    """linear_silu_dpbf16 against the product of the stacked [gate | up] weight followed by
+    eager torch's SiLU gate product in bfloat16: the same bits at row counts
+    inside one 256-row chunk, across chunks, with several passes over k (1024: 32 tile
+    steps), with a bias, and with teams of 1 to 3 threads."""
+    before = torch.get_num_threads()
+    try:
+        for rows, threads in ((32, 2), (96, 1), (288, 3), (544, 2)):
+            torch.set_num_threads(threads)
+            x, w, b = _operands(rows, k, 2 * inter, bias, seed=rows + k)
+            w[inter:] *= 4  # up values of another size than the gate's
+            packed = dpbf16_linear.pack(w)
+            both = dpbf16_linear.linear(x, packed, b, 2 * inter)
+            want = nn.functional.silu(both[:, :inter]) * both[:, inter:]
+            got = _linear_silu(x, packed, b, inter)
+            assert got is not None and torch.equal(got, want), (rows, threads)
+            # strided input rows: a slice of a wider tensor
+            wide = torch.cat([x, x], dim=1)[:, :k]
+            assert torch.equal(_linear_silu(wide, packed, b, inter), want)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_library
+@needs_amx
+def test_the_one_pass_gate_product_declines_what_it_does_not_take():
+    """Rows not a multiple of 32, an inter not a multiple of 32 and k not a multiple of
+    32 return -1 with nothing written; the caller then runs the two apart."""
+    for rows, k, inter in ((33, 64, 32), (0, 64, 32), (32, 64, 48), (32, 40, 32)):
+        x, w, b = _operands(max(rows, 1), k, 2 * inter, False, seed=1)
+        assert _linear_silu(x[:rows], dpbf16_linear.pack(w), b, inter) is None

@@ -70,16 +70,21 @@ static inline __m512 load16(const uint16_t *p) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define HAVE_AVX512_BF16 1
 
-/* As store16, rounding subnormals as torch does (the conversion instruction flushes them
- * to zero) and every NaN to float_to_bf16's quiet NaN: float_to_bf16 on 16 lanes. */
-static inline void store16_exact(uint16_t *p, __m512 v) {
+/* 16 float32 to bfloat16 rounding subnormals as torch does (the conversion instruction
+ * flushes them to zero) and every NaN to float_to_bf16's quiet NaN: float_to_bf16 on 16
+ * lanes. store16_exact stores them. */
+static inline __m256i round16_exact(__m512 v) {
     const __m512i b = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(
         _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40));
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+static inline void store16_exact(uint16_t *p, __m512 v) {
+    _mm256_storeu_si256((__m256i *)p, round16_exact(v));
 }
 
 /* exp(x) for x <= 0 (scores minus their maximum), 16 lanes: x = n ln2 + r, |r| <= ln2 / 2,

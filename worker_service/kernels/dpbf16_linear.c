@@ -192,18 +192,19 @@ amx_tile(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t k2, const int
  * while passes of 24 steps (48 KiB) ran k = 768 and 1536 0.89-0.97x (session 30). */
 #define AMX_PASS_STEPS 20
 
-/* Rows [0, 32) of x times blocks 0 and 1 of p, tile steps [s0, s1): the four sums (rows
- * 0-15 and 16-31 by columns 0-15 and 16-31) start from zero on a first pass or from part
- * (4 x 16 x 16 float32) otherwise, and end in part, or rounded into y on the last pass.
+/* Rows [0, 32) of x times two packed blocks, at p and p + second (bfloat16 values), tile
+ * steps [s0, s1): the four sums (rows 0-15 and 16-31 by the first and second block's
+ * columns, at part, part + 256, part + 512, part + 768) start from zero on a first pass
+ * or from part (4 x 16 x 16 float32) otherwise, and end in part, or rounded into y's
+ * columns col0.. and col0 + 16.. on the last pass (the blocks must then be adjacent).
  * The inputs are read with the streaming load, so they pass through L1 without evicting
  * the weights that every 32 rows reuse. A sum's order is that of amx_tile's, steps of k in
  * order, so both loops give every row the same bits (float32 partial sums round-trip
  * exactly). */
 static inline __attribute__((always_inline)) void
-amx_tile_32x32(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t k2, int64_t s0,
+amx_tile_32x32(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t second, int64_t s0,
                int64_t s1, float *part, int first, int last, const uint16_t *bias, uint16_t *y,
                int64_t n, int64_t col0) {
-    const int64_t block = k2 * 32;
     const int64_t stride = xs * (int64_t)sizeof(uint16_t);
     const uint16_t *x16 = x + 16 * xs;
     if (first) {
@@ -217,7 +218,7 @@ amx_tile_32x32(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t k2, int
         _tile_stream_loadd(4, x + s * AMX_K, stride);
         _tile_loadd(6, w, 64);
         _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(7, w + block, 64);
+        _tile_loadd(7, w + second, 64);
         _tile_dpbf16ps(1, 4, 7);
         _tile_stream_loadd(5, x16 + s * AMX_K, stride);
         _tile_dpbf16ps(2, 5, 6);
@@ -318,7 +319,7 @@ static void linear_amx(const uint16_t *x, const uint16_t *p, const uint16_t *bia
                 const int64_t s1 = steps * (pass + 1) / passes;
                 for (int64_t i = 0; i < tiles; i++) {
                     const int64_t r = c0 + 32 * i;
-                    amx_tile_32x32(x + r * xs, xs, pb, k2, s0, s1, part + 1024 * i, pass == 0,
+                    amx_tile_32x32(x + r * xs, xs, pb, k2 * 32, s0, s1, part + 1024 * i, pass == 0,
                                    pass == passes - 1, bias, y + r * n, n, b0 * 16);
                 }
             }
@@ -328,9 +329,114 @@ static void linear_amx(const uint16_t *x, const uint16_t *p, const uint16_t *bia
             _tile_release();
     }
 }
+
+/* Rows [0, 32) of the SiLU gate product from the sums of one gate block and the matching
+ * up block (part as amx_tile_32x32 leaves it: gate rows 0-15, up rows 0-15, gate rows
+ * 16-31, up rows 16-31): gate and up are rounded to bfloat16 as linear_dpbf16 rounds its
+ * output, then out = bfloat16(silu[gate] * up) as fused_layers.c's silu_mul_span computes
+ * it, so the bits are those of the product followed by silu_mul_rows_bf16. The first
+ * block of an output line (odd = 0) waits in stash[32][16]; the second completes the
+ * 64-byte line of each row of out (row stride `inter`). */
+static inline void silu_rows_32(const float *part, const uint16_t *bias_gate,
+                                const uint16_t *bias_up, const float *silu, uint16_t *stash,
+                                uint16_t *out, int64_t inter, int odd) {
+    const __m512 bg = bias16(bias_gate, 0xffff, 0), bu = bias16(bias_up, 0xffff, 0);
+    for (int r = 0; r < 32; r++) {
+        const float *g = part + (r >> 4) * 512 + (r & 15) * 16;
+        const __m256i gate = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(g), bg));
+        const __m256i up = (__m256i)_mm512_cvtneps_pbh(
+            _mm512_add_ps(_mm512_load_ps(g + 256), bu));
+        const __m512 act = _mm512_i32gather_ps(_mm512_cvtepu16_epi32(gate), silu, 4);
+        const __m512 upf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(up), 16));
+        const __m256i y = round16_exact(_mm512_mul_ps(act, upf));
+        if (!odd)
+            _mm256_store_si256((__m256i *)(stash + 16 * r), y);
+        else
+            _mm512_storeu_si512((void *)(out + r * inter), _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)(stash + 16 * r))),
+                y, 1));
+    }
+}
+
+/* linear_silu_dpbf16 on the tiles: as linear_amx's loop from 32 rows, where a unit is a
+ * 256-row chunk by 32 output columns j.. j + 31: gate blocks j / 16 and j / 16 + 1 each
+ * with its up block (inter / 16 blocks on), one pair after the other. */
+static void linear_silu_amx(const uint16_t *x, const uint16_t *p, const uint16_t *bias,
+                            uint16_t *out, int64_t rows, int64_t inter, int64_t k2, int64_t xs,
+                            const float *silu) {
+    const int64_t steps = k2 / 16, passes = (steps + AMX_PASS_STEPS - 1) / AMX_PASS_STEPS;
+    const int64_t quads = inter / 32, chunks = (rows + AMX_ROW_CHUNK - 1) / AMX_ROW_CHUNK;
+    const int64_t up_offset = inter / 16 * k2 * 32; /* from a gate block to its up block */
+    struct shares shares;
+    const int64_t threads = shares_threads(shares_team(1));
+    int64_t first_unit[SHARES_MAX_THREADS + 1];
+    shares.threads = threads;
+    first_unit[0] = 0;
+    for (int64_t t = 0; t < threads; t++) {
+        first_unit[t + 1] = chunks * (quads * (t + 1) / threads);
+        shares_set(&shares, t, first_unit[t], first_unit[t + 1]);
+    }
+#pragma omp parallel
+    {
+        int configured = 0;
+        float part[AMX_ROW_CHUNK / 32 * 1024] __attribute__((aligned(64)));
+        uint16_t stash[AMX_ROW_CHUNK * 16] __attribute__((aligned(64)));
+        for (int64_t unit; (unit = shares_next(&shares)) >= 0;) {
+            int64_t t = 0;
+            while (unit >= first_unit[t + 1])
+                t++;
+            const int64_t qlo = quads * t / threads, mine = quads * (t + 1) / threads - qlo;
+            const int64_t u = unit - chunks * qlo;
+            const int64_t c0 = u / mine * AMX_ROW_CHUNK, j = 32 * (qlo + u % mine);
+            const int64_t tiles = ((rows - c0 < AMX_ROW_CHUNK ? rows : c0 + AMX_ROW_CHUNK) - c0) / 32;
+            amx_ensure(&configured, 16);
+            for (int odd = 0; odd < 2; odd++) {
+                const int64_t col = j + 16 * odd;
+                const uint16_t *pb = p + col / 16 * k2 * 32;
+                for (int64_t pass = 0; pass < passes; pass++) {
+                    const int64_t s0 = steps * pass / passes;
+                    const int64_t s1 = steps * (pass + 1) / passes;
+                    for (int64_t i = 0; i < tiles; i++) {
+                        const int64_t r = c0 + 32 * i;
+                        amx_tile_32x32(x + r * xs, xs, pb, up_offset, s0, s1, part + 1024 * i,
+                                       pass == 0, 0, NULL, NULL, 0, 0);
+                        if (pass == passes - 1)
+                            silu_rows_32(part + 1024 * i, bias ? bias + col : NULL,
+                                         bias ? bias + inter + col : NULL, silu,
+                                         stash + 512 * i, out + r * inter + j, inter, odd);
+                    }
+                }
+            }
+        }
+        if (configured)
+            _tile_release();
+    }
+}
 #else
 int amx_enable(void) { return 0; }
 #endif
+
+/* out[m, j] = bfloat16(silu[g] * u) for the stacked product [g | u] = linear_dpbf16(x, p,
+ * bias) of 2 inter columns (gate, then up), rounded as linear_dpbf16 rounds: the product
+ * and fused_layers.c's silu_mul_rows_bf16 in one pass, the same bits, without writing the
+ * product (twice the output's bytes) and reading it back. silu is the activation table
+ * (fused_layers.silu_table()). Runs on the tiles only; returns -1 (nothing written) unless
+ * they were granted, k % 32 == 0, inter % 32 == 0, and rows is a positive multiple of 32:
+ * the caller then runs the product and the SiLU apart, as it does for any other rows. */
+int linear_silu_dpbf16(const uint16_t *x, const uint16_t *p, const uint16_t *bias,
+                       uint16_t *out, int64_t rows, int64_t inter, int64_t k, int64_t xs,
+                       const float *silu) {
+#ifdef HAVE_AMX
+    if (amx_granted && k % AMX_K == 0 && inter % 32 == 0 && inter > 0 && rows > 0
+        && rows % 32 == 0) {
+        linear_silu_amx(x, p, bias, out, rows, inter, k / 2, xs, silu);
+        return 0;
+    }
+#endif
+    (void)x, (void)p, (void)bias, (void)out, (void)rows, (void)inter, (void)k, (void)xs,
+        (void)silu;
+    return -1;
+}
 
 /* y[m, j] = bfloat16(sum_i x[m, i] * w[j, i] + bias[j]): x bfloat16 [rows, k] with row
  * stride xs, p the packed w (n rounded up to 16 columns, the extra ones zero), bias
@@ -387,6 +493,14 @@ int amx_enable(void) { return 0; }
 int linear_dpbf16(const uint16_t *x, const uint16_t *p, const uint16_t *bias, uint16_t *y,
                   int64_t rows, int64_t n, int64_t k, int64_t xs) {
     (void)x, (void)p, (void)bias, (void)y, (void)rows, (void)n, (void)k, (void)xs;
+    return -1;
+}
+
+int linear_silu_dpbf16(const uint16_t *x, const uint16_t *p, const uint16_t *bias,
+                       uint16_t *out, int64_t rows, int64_t inter, int64_t k, int64_t xs,
+                       const float *silu) {
+    (void)x, (void)p, (void)bias, (void)out, (void)rows, (void)inter, (void)k, (void)xs,
+        (void)silu;
     return -1;
 }
 #endif

@@ -27,6 +27,9 @@ typedef int (*linear_fn)(const uint16_t *x, const uint16_t *p, const uint16_t *b
 typedef void (*rotary_fn)(const uint16_t *x, uint16_t *y, const uint16_t *cos,
                           const uint16_t *sin, int64_t heads, int64_t tokens, int64_t dim,
                           int64_t head_stride, int64_t token_stride);
+typedef int (*linear_silu_fn)(const uint16_t *x, const uint16_t *p, const uint16_t *bias,
+                              uint16_t *out, int64_t rows, int64_t inter, int64_t k, int64_t xs,
+                              const float *silu);
 typedef void (*silu_rows_fn)(const uint16_t *gu, uint16_t *out, const float *silu,
                              int64_t rows, int64_t cols, int64_t stride);
 typedef int (*prompt_fn)(const uint16_t *q, const uint16_t *k, const uint16_t *v,
@@ -51,6 +54,9 @@ struct kernels {
     prompt_fn prompt_tiled; /* the tiled one (NULL: not built); -1 where it does not apply */
     int64_t tiled_min_tokens;
     const float *silu; /* fused_layers.silu_table() */
+    /* the gate/up product and the SiLU in one pass, from 32 rows on (-1 where it does not
+     * apply); NULL: not built */
+    linear_silu_fn linear_silu;
 };
 
 struct layer {
@@ -178,10 +184,19 @@ int step_layers(const struct kernels *kn, const struct shape *sh, const struct l
             return status;
         add_into(hidden, s->product, tokens * H);
         kn->rms_norm(hidden, L->post_norm, s->normed, tokens, H, H, H, L->post_eps);
-        if ((status = kn->linear(s->normed, L->gate_up, L->gate_up_bias, s->gate_up, tokens,
-                                 2 * inter, H, H)))
-            return status;
-        kn->silu_rows(s->gate_up, s->act, kn->silu, tokens, inter, 2 * inter);
+        /* rows past the last multiple of 32, or all where the one-pass call does not apply,
+         * take the product and the SiLU apart (the same bits) */
+        int64_t done = kn->linear_silu ? tokens / 32 * 32 : 0;
+        if (done && kn->linear_silu(s->normed, L->gate_up, L->gate_up_bias, s->act, done,
+                                    inter, H, H, kn->silu))
+            done = 0;
+        if (done < tokens) {
+            if ((status = kn->linear(s->normed + done * H, L->gate_up, L->gate_up_bias,
+                                     s->gate_up, tokens - done, 2 * inter, H, H)))
+                return status;
+            kn->silu_rows(s->gate_up, s->act + done * inter, kn->silu, tokens - done, inter,
+                          2 * inter);
+        }
         if ((status = kn->linear(s->act, L->down, L->down_bias, s->product, tokens, H, inter,
                                  inter)))
             return status;
