@@ -246,3 +246,28 @@ def test_the_one_pass_gate_product_declines_what_it_does_not_take():
     for rows, k, inter in ((33, 64, 32), (0, 64, 32), (32, 64, 48), (32, 40, 32)):
         x, w, b = _operands(max(rows, 1), k, 2 * inter, False, seed=1)
         assert _linear_silu(x[:rows], dpbf16_linear.pack(w), b, inter) is None
+
+
+@needs_library
+@needs_amx
+@pytest.mark.parametrize("k,n,bias", [(576, 576, False), (1536, 576, True), (64, 70, True)])
+def test_a_product_added_into_its_output_in_one_pass_has_the_bits_of_the_two_apart(
+        k, n, bias):
+    """linear_add_dpbf16 (a layer's output and down products with their residual adds)
+    against the product followed by eager torch's bfloat16 add: the same bits under a
+    16-row tile, past the 32-row loop, across 256-row chunks, in a part block of columns
+    (70), with a bias and with teams of 1 to 3 threads."""
+    before = torch.get_num_threads()
+    try:
+        for rows, threads in ((1, 2), (13, 1), (40, 2), (300, 3), (544, 2)):
+            torch.set_num_threads(threads)
+            x, w, b = _operands(rows, k, n, bias, seed=rows + n)
+            packed = dpbf16_linear.pack(w)
+            h = torch.randn(rows, n, generator=torch.Generator().manual_seed(rows)).bfloat16()
+            want = h + dpbf16_linear.linear(x, packed, b, n)
+            status = dpbf16_linear.library().linear_add_dpbf16(
+                x.data_ptr(), packed.data_ptr(), None if b is None else b.data_ptr(),
+                h.data_ptr(), rows, n, k, x.stride(0))
+            assert status == 0 and torch.equal(h, want), (rows, threads)
+    finally:
+        torch.set_num_threads(before)

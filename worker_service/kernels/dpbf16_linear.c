@@ -135,15 +135,23 @@ static inline void thread_blocks(int64_t blocks, int64_t *lo, int64_t *hi) {
 }
 
 /* Rounds tile sums acc [rows mr][16] (float32, plus bias) to bfloat16 in y's 16
- * columns from c (masked at n): the AVX loop's epilogue. */
+ * columns from c (masked at n): the tile loops' epilogue. With `add`, y's values are
+ * added to instead, bfloat16(y + the rounded product), as torch adds two bfloat16
+ * tensors. */
 static inline void store_rows(const float *acc, int mr, const uint16_t *bias, uint16_t *y,
-                              int64_t n, int64_t c) {
+                              int64_t n, int64_t c, int add) {
     const __mmask16 mask = column_mask(n, c);
     const __m512 bv = bias16(bias, mask, c);
-    for (int m = 0; m < mr; m++)
-        _mm256_mask_storeu_epi16(y + m * n + c, mask,
-                                 (__m256i)_mm512_cvtneps_pbh(
-                                     _mm512_add_ps(_mm512_loadu_ps(acc + m * 16), bv)));
+    for (int m = 0; m < mr; m++) {
+        __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc + m * 16),
+                                                                bv));
+        if (add)
+            out = round16_exact(_mm512_add_ps(
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(out), 16)),
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                    _mm256_maskz_loadu_epi16(mask, y + m * n + c)), 16))));
+        _mm256_mask_storeu_epi16(y + m * n + c, mask, out);
+    }
 }
 
 #ifdef HAVE_AMX
@@ -155,7 +163,7 @@ int amx_enable(void) { return amx_request(); }
 
 static inline __attribute__((always_inline)) void
 amx_tile(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t k2, const int mr,
-         const int nbk, const uint16_t *bias, uint16_t *y, int64_t n, int64_t col0) {
+         const int nbk, const uint16_t *bias, uint16_t *y, int64_t n, int64_t col0, int add) {
     const int64_t block = k2 * 32, steps = k2 / 16;
     const int64_t stride = xs * (int64_t)sizeof(uint16_t);
     _tile_zero(0);
@@ -173,10 +181,10 @@ amx_tile(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t k2, const int
     }
     float acc[16 * 16] __attribute__((aligned(64)));
     _tile_stored(0, acc, 64);
-    store_rows(acc, mr, bias, y, n, col0);
-    if (nbk > 1) { _tile_stored(1, acc, 64); store_rows(acc, mr, bias, y, n, col0 + 16); }
-    if (nbk > 2) { _tile_stored(2, acc, 64); store_rows(acc, mr, bias, y, n, col0 + 32); }
-    if (nbk > 3) { _tile_stored(3, acc, 64); store_rows(acc, mr, bias, y, n, col0 + 48); }
+    store_rows(acc, mr, bias, y, n, col0, add);
+    if (nbk > 1) { _tile_stored(1, acc, 64); store_rows(acc, mr, bias, y, n, col0 + 16, add); }
+    if (nbk > 2) { _tile_stored(2, acc, 64); store_rows(acc, mr, bias, y, n, col0 + 32, add); }
+    if (nbk > 3) { _tile_stored(3, acc, 64); store_rows(acc, mr, bias, y, n, col0 + 48, add); }
 }
 
 /* Rows of x a pass over the block groups takes: their inputs (at most 256 x k x 2 bytes,
@@ -204,7 +212,7 @@ amx_tile(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t k2, const int
 static inline __attribute__((always_inline)) void
 amx_tile_32x32(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t second, int64_t s0,
                int64_t s1, float *part, int first, int last, const uint16_t *bias, uint16_t *y,
-               int64_t n, int64_t col0) {
+               int64_t n, int64_t col0, int add) {
     const int64_t stride = xs * (int64_t)sizeof(uint16_t);
     const uint16_t *x16 = x + 16 * xs;
     if (first) {
@@ -226,10 +234,10 @@ amx_tile_32x32(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t second,
     }
     if (last) {
         float acc[16 * 16] __attribute__((aligned(64)));
-        _tile_stored(0, acc, 64); store_rows(acc, 16, bias, y, n, col0);
-        _tile_stored(1, acc, 64); store_rows(acc, 16, bias, y, n, col0 + 16);
-        _tile_stored(2, acc, 64); store_rows(acc, 16, bias, y + 16 * n, n, col0);
-        _tile_stored(3, acc, 64); store_rows(acc, 16, bias, y + 16 * n, n, col0 + 16);
+        _tile_stored(0, acc, 64); store_rows(acc, 16, bias, y, n, col0, add);
+        _tile_stored(1, acc, 64); store_rows(acc, 16, bias, y, n, col0 + 16, add);
+        _tile_stored(2, acc, 64); store_rows(acc, 16, bias, y + 16 * n, n, col0, add);
+        _tile_stored(3, acc, 64); store_rows(acc, 16, bias, y + 16 * n, n, col0 + 16, add);
     } else {
         _tile_stored(0, part, 64); _tile_stored(1, part + 256, 64);
         _tile_stored(2, part + 512, 64); _tile_stored(3, part + 768, 64);
@@ -240,7 +248,7 @@ amx_tile_32x32(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t second,
  * tiles over blocks [b0, b0 + nbk) of p, nbk <= 4. */
 static inline void amx_rows(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t k2,
                             int64_t r0, int64_t r1, int64_t b0, int nbk, const uint16_t *bias,
-                            uint16_t *y, int64_t n, int *configured) {
+                            uint16_t *y, int64_t n, int add, int *configured) {
     const uint16_t *pb = p + b0 * k2 * 32;
     for (; r0 < r1; r0 += 16) {
         const int mr = (int)(r1 - r0 < 16 ? r1 - r0 : 16);
@@ -248,10 +256,10 @@ static inline void amx_rows(const uint16_t *x, int64_t xs, const uint16_t *p, in
         const uint16_t *xr = x + r0 * xs;
         uint16_t *yr = y + r0 * n;
         switch (nbk) {
-        case 4: amx_tile(xr, xs, pb, k2, mr, 4, bias, yr, n, b0 * 16); break;
-        case 3: amx_tile(xr, xs, pb, k2, mr, 3, bias, yr, n, b0 * 16); break;
-        case 2: amx_tile(xr, xs, pb, k2, mr, 2, bias, yr, n, b0 * 16); break;
-        default: amx_tile(xr, xs, pb, k2, mr, 1, bias, yr, n, b0 * 16); break;
+        case 4: amx_tile(xr, xs, pb, k2, mr, 4, bias, yr, n, b0 * 16, add); break;
+        case 3: amx_tile(xr, xs, pb, k2, mr, 3, bias, yr, n, b0 * 16, add); break;
+        case 2: amx_tile(xr, xs, pb, k2, mr, 2, bias, yr, n, b0 * 16, add); break;
+        default: amx_tile(xr, xs, pb, k2, mr, 1, bias, yr, n, b0 * 16, add); break;
         }
     }
 }
@@ -267,7 +275,7 @@ static inline void amx_rows(const uint16_t *x, int64_t xs, const uint16_t *p, in
  * tiles by two weight tiles, four products per four loads), the sums between passes kept
  * per 32 rows in float32. */
 static void linear_amx(const uint16_t *x, const uint16_t *p, const uint16_t *bias, uint16_t *y,
-                       int64_t rows, int64_t n, int64_t k2, int64_t xs) {
+                       int64_t rows, int64_t n, int64_t k2, int64_t xs, int add) {
     const int64_t blocks = (n + 15) / 16, steps = k2 / 16;
     const int64_t passes = (steps + AMX_PASS_STEPS - 1) / AMX_PASS_STEPS;
     const int64_t pairs = (blocks + 1) / 2, chunks = (rows + AMX_ROW_CHUNK - 1) / AMX_ROW_CHUNK;
@@ -299,7 +307,7 @@ static void linear_amx(const uint16_t *x, const uint16_t *p, const uint16_t *bia
                 const int64_t b0 = blocks * t / threads + 4 * (unit - first_unit[t]);
                 const int64_t hi = blocks * (t + 1) / threads;
                 amx_rows(x, xs, p, k2, 0, rows, b0, (int)(hi - b0 < 4 ? hi - b0 : 4), bias, y,
-                         n, &configured);
+                         n, add, &configured);
                 continue;
             }
             /* Where in its share: chunk-major over its pairs. */
@@ -309,7 +317,7 @@ static void linear_amx(const uint16_t *x, const uint16_t *p, const uint16_t *bia
             const int64_t c1 = rows - c0 < AMX_ROW_CHUNK ? rows : c0 + AMX_ROW_CHUNK;
             const int64_t tiles = (c1 - c0) / 32, wide_end = c0 + 32 * tiles;
             if (blocks - b0 < 2) {
-                amx_rows(x, xs, p, k2, c0, c1, b0, 1, bias, y, n, &configured);
+                amx_rows(x, xs, p, k2, c0, c1, b0, 1, bias, y, n, add, &configured);
                 continue;
             }
             const uint16_t *pb = p + b0 * k2 * 32;
@@ -320,10 +328,10 @@ static void linear_amx(const uint16_t *x, const uint16_t *p, const uint16_t *bia
                 for (int64_t i = 0; i < tiles; i++) {
                     const int64_t r = c0 + 32 * i;
                     amx_tile_32x32(x + r * xs, xs, pb, k2 * 32, s0, s1, part + 1024 * i, pass == 0,
-                                   pass == passes - 1, bias, y + r * n, n, b0 * 16);
+                                   pass == passes - 1, bias, y + r * n, n, b0 * 16, add);
                 }
             }
-            amx_rows(x, xs, p, k2, wide_end, c1, b0, 2, bias, y, n, &configured);
+            amx_rows(x, xs, p, k2, wide_end, c1, b0, 2, bias, y, n, add, &configured);
         }
         if (configured)
             _tile_release();
@@ -399,7 +407,7 @@ static void linear_silu_amx(const uint16_t *x, const uint16_t *p, const uint16_t
                     for (int64_t i = 0; i < tiles; i++) {
                         const int64_t r = c0 + 32 * i;
                         amx_tile_32x32(x + r * xs, xs, pb, up_offset, s0, s1, part + 1024 * i,
-                                       pass == 0, 0, NULL, NULL, 0, 0);
+                                       pass == 0, 0, NULL, NULL, 0, 0, 0);
                         if (pass == passes - 1)
                             silu_rows_32(part + 1024 * i, bias ? bias + col : NULL,
                                          bias ? bias + inter + col : NULL, silu,
@@ -438,6 +446,22 @@ int linear_silu_dpbf16(const uint16_t *x, const uint16_t *p, const uint16_t *bia
     return -1;
 }
 
+/* y = bfloat16(y + linear_dpbf16(x, p, bias)), y [rows, n] contiguous and not overlapping
+ * x: the product and a residual add in one pass, with the bits of the two apart (the
+ * product rounded to bfloat16, then added as torch adds bfloat16 tensors). Runs on the
+ * tiles only; returns -1 (y untouched) unless they were granted, k % 32 == 0 and rows > 0. */
+int linear_add_dpbf16(const uint16_t *x, const uint16_t *p, const uint16_t *bias, uint16_t *y,
+                      int64_t rows, int64_t n, int64_t k, int64_t xs) {
+#ifdef HAVE_AMX
+    if (amx_granted && k % AMX_K == 0 && rows > 0) {
+        linear_amx(x, p, bias, y, rows, n, k / 2, xs, 1);
+        return 0;
+    }
+#endif
+    (void)x, (void)p, (void)bias, (void)y, (void)rows, (void)n, (void)k, (void)xs;
+    return -1;
+}
+
 /* y[m, j] = bfloat16(sum_i x[m, i] * w[j, i] + bias[j]): x bfloat16 [rows, k] with row
  * stride xs, p the packed w (n rounded up to 16 columns, the extra ones zero), bias
  * bfloat16 [n] or NULL, y bfloat16 [rows, n] contiguous. Returns 0, or -1 for an odd k
@@ -448,7 +472,7 @@ int linear_dpbf16(const uint16_t *x, const uint16_t *p, const uint16_t *bias, ui
         return -1;
 #ifdef HAVE_AMX
     if (amx_granted && k % AMX_K == 0) {
-        linear_amx(x, p, bias, y, rows, n, k / 2, xs);
+        linear_amx(x, p, bias, y, rows, n, k / 2, xs, 0);
         return 0;
     }
 #endif
@@ -501,6 +525,12 @@ int linear_silu_dpbf16(const uint16_t *x, const uint16_t *p, const uint16_t *bia
                        const float *silu) {
     (void)x, (void)p, (void)bias, (void)out, (void)rows, (void)inter, (void)k, (void)xs,
         (void)silu;
+    return -1;
+}
+
+int linear_add_dpbf16(const uint16_t *x, const uint16_t *p, const uint16_t *bias, uint16_t *y,
+                      int64_t rows, int64_t n, int64_t k, int64_t xs) {
+    (void)x, (void)p, (void)bias, (void)y, (void)rows, (void)n, (void)k, (void)xs;
     return -1;
 }
 #endif

@@ -40,6 +40,7 @@ SOURCE = Path(__file__).with_name("dpbf16_linear.c")
 _P, _I = native_build.P, native_build.I64
 FUNCTIONS = {"linear_dpbf16": ([_P, _P, _P, _P, _I, _I, _I, _I], ctypes.c_int),
              "linear_silu_dpbf16": ([_P, _P, _P, _P, _I, _I, _I, _I, _P], ctypes.c_int),
+             "linear_add_dpbf16": ([_P, _P, _P, _P, _I, _I, _I, _I], ctypes.c_int),
              "dpbf16_vectorized": ([], ctypes.c_int), "amx_enable": ([], ctypes.c_int)}
 BLOCK = 16  # output columns of a packed block (the dot instruction's float32 lanes)
 

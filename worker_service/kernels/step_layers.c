@@ -8,7 +8,11 @@
  * file calls the same compiled functions, passed in as pointers from the libraries the
  * layer loop loads, with the same arguments in the same order, so the hidden states keep
  * their bits; the glue between them (the two residual adds, the prompts' KV writes, and
- * copies that only move values) is here.
+ * copies that only move values) is here. Where the products run on AMX tiles, the gate/up
+ * product takes the SiLU gate product into its pass, and the output and down products
+ * their residual adds (the same bits): at 2048 prompt tokens the intermediate products
+ * are megabytes, and writing them out and reading them back cost more than the arithmetic
+ * that joins them.
  */
 #include <stdint.h>
 #include <string.h>
@@ -30,6 +34,8 @@ typedef void (*rotary_fn)(const uint16_t *x, uint16_t *y, const uint16_t *cos,
 typedef int (*linear_silu_fn)(const uint16_t *x, const uint16_t *p, const uint16_t *bias,
                               uint16_t *out, int64_t rows, int64_t inter, int64_t k, int64_t xs,
                               const float *silu);
+typedef int (*linear_add_fn)(const uint16_t *x, const uint16_t *p, const uint16_t *bias,
+                             uint16_t *y, int64_t rows, int64_t n, int64_t k, int64_t xs);
 typedef void (*silu_rows_fn)(const uint16_t *gu, uint16_t *out, const float *silu,
                              int64_t rows, int64_t cols, int64_t stride);
 typedef int (*prompt_fn)(const uint16_t *q, const uint16_t *k, const uint16_t *v,
@@ -57,6 +63,9 @@ struct kernels {
     /* the gate/up product and the SiLU in one pass, from 32 rows on (-1 where it does not
      * apply); NULL: not built */
     linear_silu_fn linear_silu;
+    /* a product added into its output (the residual adds) in one pass; -1 where it does
+     * not apply; NULL: not built */
+    linear_add_fn linear_add;
 };
 
 struct layer {
@@ -111,6 +120,19 @@ static void add_into(uint16_t *h, const uint16_t *d, int64_t n) {
         for (; i < hi; i++)
             h[i] = float_to_bf16(bf16_to_float(h[i]) + bf16_to_float(d[i]));
     }
+}
+
+/* h [rows, n] = bfloat16(h + x p): one pass where the kernels have one, else the product
+ * into `product` and add_into (the same bits). */
+static int product_add(const struct kernels *kn, const uint16_t *x, const uint16_t *p,
+                       const uint16_t *bias, uint16_t *h, uint16_t *product, int64_t rows,
+                       int64_t n, int64_t k) {
+    if (kn->linear_add && kn->linear_add(x, p, bias, h, rows, n, k, k) == 0)
+        return 0;
+    const int status = kn->linear(x, p, bias, product, rows, n, k, k);
+    if (!status)
+        add_into(h, product, rows * n);
+    return status;
 }
 
 /* A prompt's new keys and values (k_rot, v_heads [kv_heads, tokens, dim], its tokens from
@@ -180,9 +202,9 @@ int step_layers(const struct kernels *kn, const struct shape *sh, const struct l
             if (status)
                 return status;
         }
-        if ((status = kn->linear(s->attn, L->o, L->o_bias, s->product, tokens, H, qc, qc)))
+        if ((status = product_add(kn, s->attn, L->o, L->o_bias, hidden, s->product, tokens, H,
+                                  qc)))
             return status;
-        add_into(hidden, s->product, tokens * H);
         kn->rms_norm(hidden, L->post_norm, s->normed, tokens, H, H, H, L->post_eps);
         /* rows past the last multiple of 32, or all where the one-pass call does not apply,
          * take the product and the SiLU apart (the same bits) */
@@ -197,10 +219,9 @@ int step_layers(const struct kernels *kn, const struct shape *sh, const struct l
             kn->silu_rows(s->gate_up, s->act + done * inter, kn->silu, tokens - done, inter,
                           2 * inter);
         }
-        if ((status = kn->linear(s->act, L->down, L->down_bias, s->product, tokens, H, inter,
-                                 inter)))
+        if ((status = product_add(kn, s->act, L->down, L->down_bias, hidden, s->product, tokens,
+                                  H, inter)))
             return status;
-        add_into(hidden, s->product, tokens * H);
     }
     return 0;
 }

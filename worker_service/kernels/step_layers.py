@@ -10,10 +10,12 @@ as pointers from the libraries the loop uses) with the same arguments, so the hi
 have the same bits; the worker's probe of the loop (ModelRunner._layer_loop) compares a
 decoding step against the model's own forward too.
 
-From 32 rows on, where the CPU has AMX, the gate/up product and the SiLU gate product run
-as one pass (dpbf16_linear.c's linear_silu_dpbf16, the same bits): the stacked product is
-never written out and read back (at 512 prompt tokens on SmolLM2 the two took 29.1 ms of a
-77 ms prefill apart and 26.6 ms together).
+Where the CPU has AMX, the gate/up product and the SiLU gate product run as one pass from
+32 rows on (dpbf16_linear.c's linear_silu_dpbf16), and the output and down products add
+into the hidden states in their own pass (linear_add_dpbf16), with the same bits: the
+megabytes of a long prompt's intermediate products are never written out and read back.
+A 2048-token SmolLM2 prefill went from 435 to 400 ms (the SiLU) and 381 ms (the adds),
+medians of three alternated runs; at 512 tokens the change was within the noise.
 
 It takes steps of decoding rows and prompts (whole or in chunks, after a cached prefix),
 not contrastive search's candidate trees, and only layers built from the pieces it calls:
@@ -47,7 +49,8 @@ _P, _I = native_build.P, native_build.I64
 class _Kernels(ctypes.Structure):
     _fields_ = [("rms_norm", _P), ("linear", _P), ("rotary", _P), ("silu_rows", _P),
                 ("decode", _P), ("prompt", _P), ("prompt_tiled", _P),
-                ("tiled_min_tokens", _I), ("silu", _P), ("linear_silu", _P)]
+                ("tiled_min_tokens", _I), ("silu", _P), ("linear_silu", _P),
+                ("linear_add", _P)]
 
 
 class _Layer(ctypes.Structure):
@@ -184,7 +187,8 @@ class StepLayers:
             _pointer(native_attention.kernel().prompt_attention_bf16),
             None if tiled is None else _pointer(tiled.prompt_attention_tiled_bf16),
             native_attention.TILED_MIN_TOKENS, fused_layers.silu_table().data_ptr(),
-            _pointer(dpbf16_linear.library().linear_silu_dpbf16))
+            _pointer(dpbf16_linear.library().linear_silu_dpbf16),
+            _pointer(dpbf16_linear.library().linear_add_dpbf16))
         self._layers = (_Layer * len(layers))(*layers)
         self._count = len(layers)
         self._shape = shape
