@@ -76,18 +76,18 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t ro
 
 /* As transformers' apply_rotary_pos_emb in bfloat16: x * cos + rotate_half(x) * sin, each
  * product and the sum rounded to bfloat16. x [heads, tokens, dim] with strides
- * (head_stride, token_stride, 1); y the same shape, contiguous; cos, sin [tokens, dim]
- * contiguous. */
+ * (head_stride, token_stride, 1); y the same shape with strides (y_head_stride,
+ * y_token_stride, 1), which may be x itself; cos, sin [tokens, dim] contiguous. */
 void rotary_bf16(const uint16_t *x, uint16_t *y, const uint16_t *cos, const uint16_t *sin,
                  int64_t heads, int64_t tokens, int64_t dim, int64_t head_stride,
-                 int64_t token_stride) {
+                 int64_t token_stride, int64_t y_head_stride, int64_t y_token_stride) {
     const int64_t half = dim / 2;
     /* Tokens outermost: a token's cos and sin rows are read once for all its heads. */
 #pragma omp parallel for collapse(2) schedule(static) if (heads * tokens * dim >= MIN_PARALLEL)
     for (int64_t t = 0; t < tokens; t++)
         for (int64_t h = 0; h < heads; h++) {
             const uint16_t *xr = x + h * head_stride + t * token_stride;
-            uint16_t *yr = y + (h * tokens + t) * dim;
+            uint16_t *yr = y + h * y_head_stride + t * y_token_stride;
             const uint16_t *c = cos + t * dim, *s = sin + t * dim;
             int64_t i = 0;
 #ifdef HAVE_AVX512_BF16
@@ -134,14 +134,15 @@ void rms_norm_f32(const float *x, const float *w, float *y, int64_t rows, int64_
 
 __attribute__((optimize("fp-contract=off")))
 void rotary_f32(const float *x, float *y, const float *cos, const float *sin, int64_t heads,
-                int64_t tokens, int64_t dim, int64_t head_stride, int64_t token_stride) {
+                int64_t tokens, int64_t dim, int64_t head_stride, int64_t token_stride,
+                int64_t y_head_stride, int64_t y_token_stride) {
     const int64_t half = dim / 2;
     /* Tokens outermost: a token's cos and sin rows are read once for all its heads. */
 #pragma omp parallel for collapse(2) schedule(static) if (heads * tokens * dim >= MIN_PARALLEL)
     for (int64_t t = 0; t < tokens; t++)
         for (int64_t h = 0; h < heads; h++) {
             const float *xr = x + h * head_stride + t * token_stride;
-            float *yr = y + (h * tokens + t) * dim;
+            float *yr = y + h * y_head_stride + t * y_token_stride;
             const float *c = cos + t * dim, *s = sin + t * dim;
             for (int64_t i = 0; i < half; i++) {
                 const float a = xr[i], b = xr[i + half]; /* rotate_half(x) is [-b, a] */

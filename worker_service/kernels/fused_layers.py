@@ -35,9 +35,9 @@ SOURCE = Path(__file__).with_name("fused_layers.c")
 _P, _I, _F = native_build.P, native_build.I64, native_build.F32
 FUNCTIONS = {
     "rms_norm_bf16": ([_P, _P, _P, _I, _I, _I, _I, _F], None),
-    "rotary_bf16": ([_P, _P, _P, _P, _I, _I, _I, _I, _I], None),
+    "rotary_bf16": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I], None),
     "rms_norm_f32": ([_P, _P, _P, _I, _I, _I, _I, _F], None),
-    "rotary_f32": ([_P, _P, _P, _P, _I, _I, _I, _I, _I], None),
+    "rotary_f32": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I], None),
     "silu_mul_bf16": ([_P, _P, _P, _P, _I], None),
     "silu_mul_rows_bf16": ([_P, _P, _P, _I, _I, _I], None),
 }
@@ -95,7 +95,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     y = torch.empty(1, heads, tokens, dim, dtype=x.dtype)
     getattr(library(), ROTARY[x.dtype])(x.data_ptr(), y.data_ptr(), cos.data_ptr(),
                                         sin.data_ptr(), heads, tokens, dim, x.stride(1),
-                                        x.stride(2))
+                                        x.stride(2), tokens * dim, dim)
     return y
 
 

@@ -30,7 +30,8 @@ typedef int (*linear_fn)(const uint16_t *x, const uint16_t *p, const uint16_t *b
                          uint16_t *y, int64_t rows, int64_t n, int64_t k, int64_t xs);
 typedef void (*rotary_fn)(const uint16_t *x, uint16_t *y, const uint16_t *cos,
                           const uint16_t *sin, int64_t heads, int64_t tokens, int64_t dim,
-                          int64_t head_stride, int64_t token_stride);
+                          int64_t head_stride, int64_t token_stride, int64_t y_head_stride,
+                          int64_t y_token_stride);
 typedef int (*linear_silu_fn)(const uint16_t *x, const uint16_t *p, const uint16_t *bias,
                               uint16_t *out, int64_t rows, int64_t inter, int64_t k, int64_t xs,
                               const float *silu);
@@ -95,11 +96,8 @@ struct segment {
 /* Work space for `tokens` tokens, allocated by the caller. */
 struct scratch {
     uint16_t *normed;  /* [tokens, hidden] */
-    uint16_t *qkv;     /* [tokens, (heads + 2 kv_heads) dim] */
-    uint16_t *q_rot;   /* [heads, tokens, dim] */
-    uint16_t *k_rot;   /* [kv_heads, tokens, dim] */
-    uint16_t *v_heads; /* [kv_heads, tokens, dim] */
-    uint16_t *q_rows;  /* [tokens, heads, dim] */
+    uint16_t *qkv;     /* [tokens, (heads + 2 kv_heads) dim], keys rotated in place */
+    uint16_t *q_rows;  /* [tokens, heads, dim], rotated */
     uint16_t *attn;    /* [tokens, heads * dim] */
     uint16_t *product; /* [tokens, hidden] */
     uint16_t *gate_up; /* [tokens, 2 inter] */
@@ -135,17 +133,20 @@ static int product_add(const struct kernels *kn, const uint16_t *x, const uint16
     return status;
 }
 
-/* A prompt's new keys and values (k_rot, v_heads [kv_heads, tokens, dim], its tokens from
- * a on) into its row's slots start.. of k, v (the row's buffers). */
-static void write_prompt_kv(const struct segment *S, const struct scratch *s, int64_t tokens,
-                            int64_t kvh, int64_t dim, uint16_t *k, uint16_t *v) {
-    const size_t bytes = (size_t)(S->rows * dim) * 2;
-    for (int64_t h = 0; h < kvh; h++) {
-        const int64_t from = (h * tokens + S->token_start) * dim;
-        const int64_t to = h * S->head_stride + S->start * dim;
-        memcpy(k + to, s->k_rot + from, bytes);
-        memcpy(v + to, s->v_heads + from, bytes);
-    }
+/* A prompt's new keys and values (in the q/k/v product's rows from its token_start: keys
+ * from column qc, values kc after them, kv_heads x dim each) into its row's slots start..
+ * of k, v (the row's buffers). */
+static void write_prompt_kv(const struct segment *S, const uint16_t *qkv, int64_t width,
+                            int64_t qc, int64_t kc, int64_t kvh, int64_t dim, uint16_t *k,
+                            uint16_t *v) {
+    const size_t bytes = (size_t)dim * 2;
+    for (int64_t h = 0; h < kvh; h++)
+        for (int64_t t = 0; t < S->rows; t++) {
+            const uint16_t *from = qkv + (S->token_start + t) * width + qc + h * dim;
+            const int64_t to = h * S->head_stride + (S->start + t) * dim;
+            memcpy(k + to, from, bytes);
+            memcpy(v + to, from + kc, bytes);
+        }
 }
 
 /* hidden [tokens, hidden] (bfloat16, updated in place) through `count` decoder layers:
@@ -163,22 +164,15 @@ int step_layers(const struct kernels *kn, const struct shape *sh, const struct l
         kn->rms_norm(hidden, L->input_norm, s->normed, tokens, H, H, H, L->input_eps);
         if ((status = kn->linear(s->normed, L->qkv, L->qkv_bias, s->qkv, tokens, width, H, H)))
             return status;
-        /* query and key [heads, tokens, dim] with strides (dim, width) in the product */
-        kn->rotary(s->qkv, s->q_rot, cos, sin, heads, tokens, dim, dim, width);
-        kn->rotary(s->qkv + qc, s->k_rot, cos, sin, kvh, tokens, dim, dim, width);
-        for (int64_t t = 0; t < tokens; t++) {
-            for (int64_t h = 0; h < heads; h++)
-                memcpy(s->q_rows + (t * heads + h) * dim, s->q_rot + (h * tokens + t) * dim,
-                       (size_t)dim * 2);
-            for (int64_t h = 0; h < kvh; h++)
-                memcpy(s->v_heads + (h * tokens + t) * dim, s->qkv + t * width + qc + kc + h * dim,
-                       (size_t)dim * 2);
-        }
+        /* query and key heads with strides (dim, width) in the product: the queries
+         * rotated into q_rows [tokens, heads, dim], the keys in place */
+        kn->rotary(s->qkv, s->q_rows, cos, sin, heads, tokens, dim, dim, width, dim, qc);
+        kn->rotary(s->qkv + qc, s->qkv + qc, cos, sin, kvh, tokens, dim, dim, width, dim, width);
         /* every prompt's keys and values first, as the per-layer path writes them */
         for (int64_t g = 0; g < nseg; g++)
             if (segments[g].kind == 1)
-                write_prompt_kv(&segments[g], s, tokens, kvh, dim, k_ptrs[l * nseg + g],
-                                v_ptrs[l * nseg + g]);
+                write_prompt_kv(&segments[g], s->qkv, width, qc, kc, kvh, dim,
+                                k_ptrs[l * nseg + g], v_ptrs[l * nseg + g]);
         for (int64_t g = 0; g < nseg; g++) {
             const struct segment *S = &segments[g];
             const int64_t a = S->token_start;
@@ -186,8 +180,8 @@ int step_layers(const struct kernels *kn, const struct shape *sh, const struct l
             if (S->kind == 0) {
                 status = kn->decode(s->q_rows + a * qc, k, v, s->attn + a * qc, S->ends,
                                     S->rows, heads, kvh, dim, S->row_stride, S->head_stride,
-                                    L->scaling, L->window, S->max_end, s->k_rot + a * dim,
-                                    s->v_heads + a * dim, dim, tokens * dim);
+                                    L->scaling, L->window, S->max_end, s->qkv + a * width + qc,
+                                    s->qkv + a * width + qc + kc, width, dim);
             } else {
                 status = -1;
                 if (S->rows >= kn->tiled_min_tokens && kn->prompt_tiled)

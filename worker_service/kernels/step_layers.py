@@ -71,8 +71,7 @@ class _Segment(ctypes.Structure):
 
 FUNCTIONS = {"step_layers": ([_P, _P, _P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P],
                                 ctypes.c_int)}
-_SCRATCH = ("normed", "qkv", "q_rot", "k_rot", "v_heads", "q_rows", "attn", "product",
-            "gate_up", "act")
+_SCRATCH = ("normed", "qkv", "q_rows", "attn", "product", "gate_up", "act")
 
 
 class _Scratch(ctypes.Structure):
@@ -195,9 +194,8 @@ class StepLayers:
         # Each scratch buffer's width per token (step_layers.c's struct scratch).
         heads, kv = shape.heads * shape.dim, shape.kv_heads * shape.dim
         self._scratch_widths = dict(
-            normed=shape.hidden, qkv=heads + 2 * kv, q_rot=heads, k_rot=kv, v_heads=kv,
-            q_rows=heads, attn=heads, product=shape.hidden, gate_up=2 * shape.inter,
-            act=shape.inter)
+            normed=shape.hidden, qkv=heads + 2 * kv, q_rows=heads, attn=heads,
+            product=shape.hidden, gate_up=2 * shape.inter, act=shape.inter)
         self._keep = keep  # the tensors whose addresses the structures hold
         self._windows: tuple | None = None
 
