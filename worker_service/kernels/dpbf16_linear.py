@@ -19,7 +19,10 @@ Where the CPU has AMX (Sapphire Rapids and later Xeons), the same packed weights
 tile unit instead, for every weight whose input width is a multiple of 32: on a 2-core
 Sapphire Rapids guest the dot-instruction loop ran SmolLM2's products at 211-237 GFLOP/s
 and oneDNN (which uses the tiles) at 1.7-2.8 TFLOP/s from 16 rows on.
-`SEQSERVE_AMX=0` keeps the dot-instruction loop there.
+`SEQSERVE_AMX=0` keeps the dot-instruction loop there. On the tiles two more entry points
+serve step_layers.c, each the product and what follows it in one pass with the same bits:
+`linear_silu_dpbf16` (the stacked gate/up product and the SiLU gate product) and
+`linear_add_dpbf16` (a product added into its output, the residual adds).
 """
 
 from __future__ import annotations
