@@ -225,7 +225,7 @@ static inline __attribute__((always_inline)) void load32_split(const uint16_t *p
  * Returns the scores' sum. */
 static inline __attribute__((always_inline)) float
 probabilities_avx512(const uint16_t *qh, const uint16_t *kh, int64_t n, const int64_t dim,
-                     float scale, float *scores) {
+                     float scale, float *scores, const char *ahead, int64_t ahead_bytes) {
     const int64_t chunks = dim / 32; /* 32 bfloat16 per dot instruction */
     __m512bh qv[MAX_DIM / 32];
     for (int64_t c = 0; c < chunks; c++)
@@ -235,6 +235,9 @@ probabilities_avx512(const uint16_t *qh, const uint16_t *kh, int64_t n, const in
     int64_t s = 0;
     for (; s + 16 <= n; s += 16) {
         __m512 acc[16];
+        if (ahead) /* the next stream's bytes at this block's offset, into L2 */
+            for (int64_t b = s * dim * 2; b < (s + 16) * dim * 2 && b < ahead_bytes; b += 64)
+                _mm_prefetch(ahead + b, _MM_HINT_T1);
         for (int j = 0; j < 16; j++) {
             const uint16_t *ks = kh + (s + j) * dim;
             __m512 a = _mm512_setzero_ps();
@@ -295,7 +298,7 @@ attend_one_avx512(const uint16_t *qh, const uint16_t *kh, const uint16_t *vh, ui
     const int64_t n = end - first;
     kh += first * dim;
     vh += first * dim;
-    const float total = probabilities_avx512(qh, kh, n, dim, scale, scores);
+    const float total = probabilities_avx512(qh, kh, n, dim, scale, scores, NULL, 0);
     /* Several slots per iteration, each into accumulators of its own: one chain of
      * dependent multiply-adds per slot would wait on the FMA latency every slot. */
     enum { UNROLL = 4 };
@@ -335,7 +338,8 @@ attend_one_avx512(const uint16_t *qh, const uint16_t *kh, const uint16_t *vh, ui
  * probabilities at g * stride; inv[g]: 1 / their sum. o: the m heads' outputs, dim apart. */
 static inline __attribute__((always_inline)) void
 attend_values_avx512(const float *scores, int64_t stride, const uint16_t *vh, int64_t n,
-                     const int64_t dim, const int m, const float *inv, uint16_t *o) {
+                     const int64_t dim, const int m, const float *inv, uint16_t *o,
+                     const char *ahead, int64_t ahead_bytes) {
     enum { MAX_M = 4 };
     const int64_t vecs = dim / 16;
     __m512 acc[MAX_M][MAX_DIM / 16];
@@ -344,6 +348,9 @@ attend_values_avx512(const float *scores, int64_t stride, const uint16_t *vh, in
             acc[g][c] = _mm512_setzero_ps();
     for (int64_t s = 0; s < n; s++) {
         __m512 p[MAX_M];
+        if (ahead && s * dim * 2 < ahead_bytes)
+            for (int64_t b = s * dim * 2; b < (s + 1) * dim * 2; b += 64)
+                _mm_prefetch(ahead + b, _MM_HINT_T1);
         for (int g = 0; g < m; g++)
             p[g] = _mm512_set1_ps(scores[g * stride + s]);
         const uint16_t *vs = vh + s * dim;
@@ -367,26 +374,43 @@ attend_values_avx512(const float *scores, int64_t stride, const uint16_t *vh, in
 static inline __attribute__((always_inline)) void
 attend_group_avx512(const uint16_t *q, const uint16_t *kh, const uint16_t *vh, uint16_t *o,
                     int64_t end, const int64_t dim, int64_t group, float scale,
-                    int64_t window, float *scores, int64_t stride) {
+                    int64_t window, float *scores, int64_t stride, const uint16_t *next_k,
+                    const uint16_t *next_v, int64_t next_end) {
     const int64_t first = (window > 0 && end > window) ? end - window : 0;
     const int64_t n = end - first;
     kh += first * dim;
     vh += first * dim;
+    /* Streams to fetch into L2 while the passes after the first read keys already there:
+     * this unit's values, then the next unit's keys and values. A unit's first pass reads
+     * its keys from memory and the later ones from L2, so without this the memory sat
+     * idle through them: 64 rows of about 800 slots over 30 layers read 16.3 GB/s
+     * without and 17.7 with (streaming reads run 25 GB/s on this 2-core guest, and the
+     * loops 35 GB/s on rows in L2). */
+    const char *ahead[3] = {(const char *)vh, (const char *)next_k, (const char *)next_v};
+    const int64_t ahead_bytes[3] = {n * dim * 2, next_end * dim * 2, next_end * dim * 2};
+    int next_stream = 0;
     const int per = dim <= 64 ? 4 : dim <= 128 ? 2 : 1;
     float inv[4];
     for (int64_t h = 0; h < group; h += per) {
         const int m = group - h < per ? (int)(group - h) : per;
         for (int g = 0; g < m; g++) {
-            const float total = probabilities_avx512(q + (h + g) * dim, kh, n, dim, scale,
-                                                     scores + g * stride);
+            const int fetch = h + g > 0 && next_stream < 3 && ahead[next_stream];
+            const float total = probabilities_avx512(
+                q + (h + g) * dim, kh, n, dim, scale, scores + g * stride,
+                fetch ? ahead[next_stream] : NULL, fetch ? ahead_bytes[next_stream] : 0);
+            next_stream += fetch;
             inv[g] = n > 0 ? 1.f / total : 0.f;
         }
+        const char *pf = next_stream < 3 ? ahead[next_stream] : NULL;
+        const int64_t pf_bytes = pf ? ahead_bytes[next_stream] : 0;
+        next_stream += pf != NULL;
         /* m as a constant in each call, so the sums stay in registers */
+        uint16_t *oh = o + h * dim;
         switch (m) {
-        case 4: attend_values_avx512(scores, stride, vh, n, dim, 4, inv, o + h * dim); break;
-        case 3: attend_values_avx512(scores, stride, vh, n, dim, 3, inv, o + h * dim); break;
-        case 2: attend_values_avx512(scores, stride, vh, n, dim, 2, inv, o + h * dim); break;
-        default: attend_values_avx512(scores, stride, vh, n, dim, 1, inv, o + h * dim); break;
+        case 4: attend_values_avx512(scores, stride, vh, n, dim, 4, inv, oh, pf, pf_bytes); break;
+        case 3: attend_values_avx512(scores, stride, vh, n, dim, 3, inv, oh, pf, pf_bytes); break;
+        case 2: attend_values_avx512(scores, stride, vh, n, dim, 2, inv, oh, pf, pf_bytes); break;
+        default: attend_values_avx512(scores, stride, vh, n, dim, 1, inv, oh, pf, pf_bytes); break;
         }
     }
 }
@@ -575,16 +599,22 @@ static int decode_groups_avx512(const uint16_t *q, const uint16_t *k, const uint
             const int64_t at = r * row_stride + (h / group) * head_stride;
             const uint16_t *qu = q + unit * dim;
             uint16_t *ou = out + unit * dim;
+            /* The next unit in order (a guess: it may be another thread's), to fetch. */
+            const int64_t nu = unit + m, nr = nu / heads;
+            const int has_next = nu < rows * heads;
+            const int64_t nat = nr * row_stride + (nu % heads / group) * head_stride;
+            const uint16_t *nk = has_next ? k + nat : NULL, *nv = has_next ? v + nat : NULL;
+            const int64_t nend = has_next ? lengths[nr] : 0;
             /* The common head sizes as constants, so the sums live in registers. */
             if (dim == 64)
                 attend_group_avx512(qu, k + at, v + at, ou, lengths[r], 64, m, scale,
-                                    window, scores, stride);
+                                    window, scores, stride, nk, nv, nend);
             else if (dim == 128)
                 attend_group_avx512(qu, k + at, v + at, ou, lengths[r], 128, m, scale,
-                                    window, scores, stride);
+                                    window, scores, stride, nk, nv, nend);
             else
                 attend_group_avx512(qu, k + at, v + at, ou, lengths[r], dim, m, scale,
-                                    window, scores, stride);
+                                    window, scores, stride, nk, nv, nend);
         }
         free(scores);
     }
