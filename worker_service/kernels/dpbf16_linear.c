@@ -396,7 +396,8 @@ static void linear_silu_amx(const uint16_t *x, const uint16_t *p, const uint16_t
             const int64_t qlo = quads * t / threads, mine = quads * (t + 1) / threads - qlo;
             const int64_t u = unit - chunks * qlo;
             const int64_t c0 = u / mine * AMX_ROW_CHUNK, j = 32 * (qlo + u % mine);
-            const int64_t tiles = ((rows - c0 < AMX_ROW_CHUNK ? rows : c0 + AMX_ROW_CHUNK) - c0) / 32;
+            const int64_t c1 = rows - c0 < AMX_ROW_CHUNK ? rows : c0 + AMX_ROW_CHUNK;
+            const int64_t tiles = (c1 - c0) / 32;
             amx_ensure(&configured, 16);
             for (int odd = 0; odd < 2; odd++) {
                 const int64_t col = j + 16 * odd;
