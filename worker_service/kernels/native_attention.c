@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "amx.h"
 #include "shares.h"
 
 #ifdef _OPENMP
@@ -220,6 +221,8 @@ static inline __attribute__((always_inline)) void load32_split(const uint16_t *p
     *odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
+static inline float exp_scores(float *scores, int64_t n, float top);
+
 /* One query against n slots of keys: scores[s] = exp(q.k_s * scale - the largest), by
  * AVX512-BF16 dot instructions (exact bfloat16 products, float32 sums), 16 slots at a time.
  * Returns the scores' sum. */
@@ -257,6 +260,12 @@ probabilities_avx512(const uint16_t *qh, const uint16_t *kh, int64_t n, const in
         scores[s] = _mm512_reduce_add_ps(a) * scale;
         top = scores[s] > top ? scores[s] : top;
     }
+    return exp_scores(scores, n, top);
+}
+
+/* scores[s] = exp(scores[s] - top) for s < n; returns their sum. */
+static inline float exp_scores(float *scores, int64_t n, float top) {
+    int64_t s;
     const __m512 topv = _mm512_set1_ps(top);
     __m512 totv = _mm512_setzero_ps();
     for (s = 0; s + 16 <= n; s += 16) {
@@ -273,6 +282,167 @@ probabilities_avx512(const uint16_t *qh, const uint16_t *kh, int64_t n, const in
     }
     return _mm512_reduce_add_ps(totv);
 }
+
+#ifdef HAVE_AMX
+/* Asks Linux for the tile registers; 1 where granted, after which decoding units of up to
+ * 16 query heads and head sizes of up to AMX_DECODE_DIM take their scores on the tiles
+ * (probabilities_amx). */
+int amx_enable(void) { return amx_request(); }
+
+#define AMX_DECODE_DIM 128
+#define AMX_DECODE_CONFIG -1 /* *configured when the tiles hold decode_configure's layout */
+
+/* The tiles as probabilities_amx uses them: tiles 0-3 the scores of 16 slots x 4 heads
+ * (float32), tiles 4 and 5 16 slots x 32 dimensions of keys, tiles 6 and 7 the queries of
+ * 4 heads for 32 dimensions (16 pairs x 4 heads x 2). */
+static void decode_configure(int *configured) {
+    if (*configured == AMX_DECODE_CONFIG)
+        return;
+    struct amx_tile_config cfg __attribute__((aligned(64)));
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 4; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 16;
+    }
+    for (int t = 4; t < 6; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    for (int t = 6; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+    *configured = AMX_DECODE_CONFIG;
+}
+
+/* One block's scores from its tile (cbuf: 16 slots x 4 heads, float32) into each of the m
+ * heads' rows of scores (head g at g * stride), times scale; best[g]: each head's largest
+ * so far over the lanes in `lanes`. */
+static inline __attribute__((always_inline)) void
+block_scores(const float *cbuf, int m, const __m512i *pick, __m512 sv, __mmask16 lanes,
+             float *scores, int64_t stride, __m512 *best) {
+    const __m512 v0 = _mm512_load_ps(cbuf), v1 = _mm512_load_ps(cbuf + 16);
+    const __m512 v2 = _mm512_load_ps(cbuf + 32), v3 = _mm512_load_ps(cbuf + 48);
+    for (int g = 0; g < m; g++) {
+        const __m512 lo = _mm512_permutex2var_ps(v0, pick[g], v1);
+        const __m512 hi = _mm512_permutex2var_ps(v2, pick[g], v3);
+        const __m512 v = _mm512_mul_ps(_mm512_shuffle_f32x4(lo, hi, 0x44), sv);
+        _mm512_storeu_ps(scores + g * stride, v);
+        best[g] = _mm512_mask_max_ps(best[g], lanes, best[g], v);
+    }
+}
+
+/* As probabilities_avx512 for m (<= 4) query heads at once (q: m x dim, contiguous) against
+ * the same n slots of keys, their scores at scores + g * stride and sums in total[g]: each
+ * block of 16 slots is one tile (16 slots x 32 dimensions, straight from the KV buffer)
+ * times the heads' queries, per 32 dimensions, so each key is read once for all m heads
+ * and a block costs a few instructions instead of dot instructions and a horizontal sum
+ * per slot and head. The sums are the same exact products in float32, added in the tile
+ * unit's order (other last bits than the dot loop). *configured: the calling thread's tile
+ * layout (decode_configure). */
+static void probabilities_amx(const uint16_t *q, const uint16_t *kh, int64_t n,
+                              const int64_t dim, int m, float scale, float *scores,
+                              int64_t stride, float *total, int *configured) {
+    uint16_t qb[AMX_DECODE_DIM / 32][128] __attribute__((aligned(64)));
+    uint16_t tail[16 * AMX_DECODE_DIM] __attribute__((aligned(64)));
+    float cbuf[256] __attribute__((aligned(64)));
+    const int64_t steps = dim / 32;
+    /* qb[d]: dimension pair p of step d, head g at (4 p + g) * 2 (heads past m zero) */
+    memset(qb, 0, sizeof(uint16_t) * 128 * (size_t)steps);
+    for (int g = 0; g < m; g++)
+        for (int64_t d = 0; d < steps; d++)
+            for (int p = 0; p < 16; p++) {
+                qb[d][(4 * p + g) * 2] = q[g * dim + 32 * d + 2 * p];
+                qb[d][(4 * p + g) * 2 + 1] = q[g * dim + 32 * d + 2 * p + 1];
+            }
+    decode_configure(configured);
+    amx_memory_barrier(); /* the tile loads read qb */
+    if (steps <= 2) { /* the queries stay in tiles 6 and 7 */
+        _tile_loadd(6, qb[0], 16);
+        if (steps == 2)
+            _tile_loadd(7, qb[1], 16);
+    }
+    const __m512 sv = _mm512_set1_ps(scale);
+    /* head g's lanes g, g + 4, g + 8, g + 12 of two vectors of 4 slots x 4 heads */
+    __m512i pick[4];
+    for (int g = 0; g < 4; g++)
+        pick[g] = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 28 + g, 24 + g, 20 + g, 16 + g,
+                                   12 + g, 8 + g, 4 + g, g);
+    __m512 best[4];
+    for (int g = 0; g < m; g++)
+        best[g] = _mm512_set1_ps(-INFINITY);
+    int64_t s = 0;
+    if (steps == 2) /* 64 slots at a time, four blocks in flight */
+        for (; s + 64 <= n; s += 64) {
+            const uint16_t *a = kh + s * dim;
+            const int64_t row16 = 16 * dim;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            _tile_loadd(4, a, dim * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(5, a + row16, dim * 2);
+            _tile_dpbf16ps(1, 5, 6);
+            _tile_loadd(4, a + 2 * row16, dim * 2);
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_loadd(5, a + 3 * row16, dim * 2);
+            _tile_dpbf16ps(3, 5, 6);
+            _tile_loadd(4, a + 32, dim * 2);
+            _tile_dpbf16ps(0, 4, 7);
+            _tile_loadd(5, a + row16 + 32, dim * 2);
+            _tile_dpbf16ps(1, 5, 7);
+            _tile_loadd(4, a + 2 * row16 + 32, dim * 2);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, a + 3 * row16 + 32, dim * 2);
+            _tile_dpbf16ps(3, 5, 7);
+            _tile_stored(0, cbuf, 16);
+            _tile_stored(1, cbuf + 64, 16);
+            _tile_stored(2, cbuf + 128, 16);
+            _tile_stored(3, cbuf + 192, 16);
+            amx_memory_barrier(); /* cbuf is read below */
+            for (int b = 0; b < 4; b++)
+                block_scores(cbuf + 64 * b, m, pick, sv, 0xffff, scores + s + 16 * b, stride,
+                             best);
+        }
+    for (; s < n; s += 16) {
+        const uint16_t *a = kh + s * dim;
+        const int64_t left = n - s;
+        if (left < 16) { /* the last slots, zero rows after them: nothing past n is read */
+            memcpy(tail, a, sizeof(uint16_t) * (size_t)(left * dim));
+            memset(tail + left * dim, 0, sizeof(uint16_t) * (size_t)((16 - left) * dim));
+            a = tail;
+            amx_memory_barrier();
+        }
+        _tile_zero(0);
+        if (steps <= 2) {
+            _tile_loadd(4, a, dim * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            if (steps == 2) {
+                _tile_loadd(4, a + 32, dim * 2);
+                _tile_dpbf16ps(0, 4, 7);
+            }
+        } else {
+            for (int64_t d = 0; d < steps; d++) {
+                _tile_loadd(4, a + 32 * d, dim * 2);
+                _tile_loadd(6, qb[d], 16);
+                _tile_dpbf16ps(0, 4, 6);
+            }
+        }
+        _tile_stored(0, cbuf, 16);
+        amx_memory_barrier(); /* cbuf is read below */
+        block_scores(cbuf, m, pick, sv,
+                     left < 16 ? (__mmask16)((1u << left) - 1) : (__mmask16)0xffff,
+                     scores + s, stride, best);
+    }
+    for (int g = 0; g < m; g++)
+        total[g] = exp_scores(scores + g * stride, n, _mm512_reduce_max_ps(best[g]));
+}
+#else
+int amx_enable(void) { return 0; }
+#endif
 
 /* o[d] = acc[d] * inv as bfloat16, acc held as load32_split lays it out: vector 2c the even
  * elements of dims [32c, 32c + 32), vector 2c + 1 the odd ones. */
@@ -375,7 +545,7 @@ static inline __attribute__((always_inline)) void
 attend_group_avx512(const uint16_t *q, const uint16_t *kh, const uint16_t *vh, uint16_t *o,
                     int64_t end, const int64_t dim, int64_t group, float scale,
                     int64_t window, float *scores, int64_t stride, const uint16_t *next_k,
-                    const uint16_t *next_v, int64_t next_end) {
+                    const uint16_t *next_v, int64_t next_end, int *configured) {
     const int64_t first = (window > 0 && end > window) ? end - window : 0;
     const int64_t n = end - first;
     kh += first * dim;
@@ -393,6 +563,16 @@ attend_group_avx512(const uint16_t *q, const uint16_t *kh, const uint16_t *vh, u
     float inv[4];
     for (int64_t h = 0; h < group; h += per) {
         const int m = group - h < per ? (int)(group - h) : per;
+#ifdef HAVE_AMX
+        if (amx_granted && dim <= AMX_DECODE_DIM && n > 0) {
+            float total[4];
+            probabilities_amx(q + h * dim, kh, n, dim, m, scale, scores, stride, total,
+                              configured);
+            for (int g = 0; g < m; g++)
+                inv[g] = 1.f / total[g];
+            next_stream = 1; /* the values pass fetches the next unit's keys */
+        } else
+#endif
         for (int g = 0; g < m; g++) {
             const int fetch = h + g > 0 && next_stream < 3 && ahead[next_stream];
             const float total = probabilities_avx512(
@@ -591,6 +771,7 @@ static int decode_groups_avx512(const uint16_t *q, const uint16_t *k, const uint
 #pragma omp atomic write
             status = -2;
         }
+        int configured = 0; /* the AMX rows this thread's tiles are set for */
         /* Units are (row, query head), so that a few long rows still split over the team;
          * a run of them is some heads of one KV head, taken together. */
         int64_t unit, m;
@@ -608,14 +789,18 @@ static int decode_groups_avx512(const uint16_t *q, const uint16_t *k, const uint
             /* The common head sizes as constants, so the sums live in registers. */
             if (dim == 64)
                 attend_group_avx512(qu, k + at, v + at, ou, lengths[r], 64, m, scale,
-                                    window, scores, stride, nk, nv, nend);
+                                    window, scores, stride, nk, nv, nend, &configured);
             else if (dim == 128)
                 attend_group_avx512(qu, k + at, v + at, ou, lengths[r], 128, m, scale,
-                                    window, scores, stride, nk, nv, nend);
+                                    window, scores, stride, nk, nv, nend, &configured);
             else
                 attend_group_avx512(qu, k + at, v + at, ou, lengths[r], dim, m, scale,
-                                    window, scores, stride, nk, nv, nend);
+                                    window, scores, stride, nk, nv, nend, &configured);
         }
+#ifdef HAVE_AMX
+        if (configured)
+            _tile_release();
+#endif
         free(scores);
     }
     return status;
