@@ -212,17 +212,21 @@ def _linear_silu(x, packed, b, inter) -> torch.Tensor | None:
 
 
 @needs_library
-@needs_amx
-@pytest.mark.parametrize("k,inter,bias", [(576, 1536, False), (1024, 96, True), (64, 32, True)])
+@pytest.mark.parametrize("k,inter,bias", [(576, 1536, False), (1024, 96, True), (64, 32, True),
+                                          (40, 64, True)])
 def test_the_gate_product_and_its_silu_in_one_pass_have_the_bits_of_the_two_apart(
         k, inter, bias):
     """linear_silu_dpbf16 against the product of the stacked [gate | up] weight followed by
-    eager torch's SiLU gate product in bfloat16: the same bits at row counts
-    inside one 256-row chunk, across chunks, with several passes over k (1024: 32 tile
-    steps), with a bias, and with teams of 1 to 3 threads."""
+    eager torch's SiLU gate product in bfloat16: the same bits at row counts inside one
+    256-row chunk of the tiles, across chunks, with several passes over k (1024: 32 tile
+    steps), with a bias, and with teams of 1 to 3 threads; without the tiles (or for k = 40,
+    which they do not take) also at row counts under and between the register tiles'."""
     before = torch.get_num_threads()
+    counts = ((32, 2), (96, 1), (288, 3), (544, 2))
+    if not amx_on() or k % 32:
+        counts += ((1, 2), (5, 1), (13, 2), (67, 3))
     try:
-        for rows, threads in ((32, 2), (96, 1), (288, 3), (544, 2)):
+        for rows, threads in counts:
             torch.set_num_threads(threads)
             x, w, b = _operands(rows, k, 2 * inter, bias, seed=rows + k)
             w[inter:] *= 4  # up values of another size than the gate's
@@ -239,18 +243,21 @@ def test_the_gate_product_and_its_silu_in_one_pass_have_the_bits_of_the_two_apar
 
 
 @needs_library
-@needs_amx
 def test_the_one_pass_gate_product_declines_what_it_does_not_take():
-    """Rows not a multiple of 32, an inter not a multiple of 32 and k not a multiple of
-    32 return -1 with nothing written; the caller then runs the two apart."""
-    for rows, k, inter in ((33, 64, 32), (0, 64, 32), (32, 64, 48), (32, 40, 32)):
+    """No rows and an inter not a multiple of 32 return -1 with nothing written,
+    and on the tiles rows not a multiple of 32 (the dot loop takes them); the caller then
+    runs the two apart."""
+    declined = [(0, 64, 32), (32, 64, 48), (32, 64, 16)]
+    if amx_on():
+        declined.append((33, 64, 32))
+    for rows, k, inter in declined:
         x, w, b = _operands(max(rows, 1), k, 2 * inter, False, seed=1)
-        assert _linear_silu(x[:rows], dpbf16_linear.pack(w), b, inter) is None
+        assert _linear_silu(x[:rows], dpbf16_linear.pack(w), b, inter) is None, (rows, k, inter)
 
 
 @needs_library
-@needs_amx
-@pytest.mark.parametrize("k,n,bias", [(576, 576, False), (1536, 576, True), (64, 70, True)])
+@pytest.mark.parametrize("k,n,bias", [(576, 576, False), (1536, 576, True), (64, 70, True),
+                                      (40, 7, False)])
 def test_a_product_added_into_its_output_in_one_pass_has_the_bits_of_the_two_apart(
         k, n, bias):
     """linear_add_dpbf16 (a layer's output and down products with their residual adds)

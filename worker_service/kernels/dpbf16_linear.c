@@ -16,7 +16,9 @@
  * Each output is its input row's pairs dotted with its weight column in the order of kp,
  * exact bfloat16 products summed in float32, plus the bias, rounded once to bfloat16
  * (to nearest even): the same bits whatever the row count, the tile or the thread that
- * computes it (batch invariant by construction).
+ * computes it (batch invariant by construction). A tile's epilogue stores those outputs,
+ * adds them into y (rounded again, as torch adds bfloat16), or, over two gate blocks and
+ * their up blocks, stores the SiLU gate product of the stacked gate/up product.
  *
  * On CPUs with AMX (Sapphire Rapids and later), once amx_enable() has been granted the
  * tile registers, products whose k is a multiple of 32 run on the tile unit instead: the
@@ -65,33 +67,61 @@ static inline __m512 bias16(const uint16_t *bias, __mmask16 mask, int64_t c) {
 }
 
 /* The next block group's weights, fetched into cache while this group computes: its
- * first `blocks` blocks at p; a tile fetches the pairs kp = phase, phase + every, ...,
- * so the `every` row tiles of a group share the fetching evenly. */
+ * first `blocks` blocks (laid out as a tile's, `second` below); a tile fetches the pairs
+ * kp = phase, phase + every, ..., so the `every` row tiles of a group share the fetching
+ * evenly. */
 struct ahead {
     const uint16_t *p;
-    int64_t blocks, phase, every;
+    int64_t second, blocks, phase, every;
 };
 
-/* Rows [0, mr) of x times blocks [0, nbk) of p (k2 pairs each) into y's columns
- * col0.. (mr, nbk and prefetch constants where inlined, so the sums stay in registers
- * and a product without prefetching has no test in its loop). */
+/* What a tile does with its rounded sums: stores them, adds them into y (the residual
+ * adds), or (a SiLU unit: gate blocks 0, 1 and their up blocks 2, 3) stores the SiLU gate
+ * product. */
+enum epilogue { STORE, ADD, SILU };
+
+/* Where block b (0-3) of a tile starts: blocks 0, 1 at p, blocks 2, 3 `second` values on
+ * (2 blocks on for a plain run of blocks; the up blocks for a SiLU unit). */
+static inline const uint16_t *tile_block(const uint16_t *p, int64_t block, int64_t second,
+                                         int b) {
+    return p + (b & 1) * block + (b >> 1) * second;
+}
+
+/* Float32 sums v plus the bias, rounded to bfloat16 (to nearest even): every product's
+ * output rounding. */
+static inline __m256i round_product(__m512 v, __m512 bias) {
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(v, bias));
+}
+
+/* bfloat16 lanes as float32. */
+static inline __m512 widen16(__m256i v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+/* Rows [0, mr) of x times blocks [0, nbk) of p (k2 pairs each, placed as tile_block says)
+ * into y's columns col0.. of rows n apart, as `how` says (a SILU tile has nbk = 4: gate
+ * bias at bias + col0, up bias at bias + n + col0; silu the activation table). mr, nbk
+ * and prefetch are constants where inlined, so the sums stay in registers and a product
+ * without prefetching has no test in its loop. */
 static inline __attribute__((always_inline)) void
-tile(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t k2, const int mr,
-     const int nbk, const uint16_t *bias, uint16_t *y, int64_t n, int64_t col0,
-     const int prefetch, const struct ahead *ahead) {
+tile(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t second, int64_t k2,
+     const int mr, const int nbk, const uint16_t *bias, uint16_t *y, int64_t n, int64_t col0,
+     const int prefetch, const struct ahead *ahead, enum epilogue how, const float *silu) {
     int64_t fetch_at = prefetch ? ahead->phase : -1;
     __m512 acc[MR][NB];
     for (int m = 0; m < mr; m++)
         for (int b = 0; b < nbk; b++)
             acc[m][b] = _mm512_setzero_ps();
     const int64_t block = k2 * 32; /* bfloat16 values in one packed block */
+    const uint16_t *p2 = p + second; /* blocks 2 and 3 */
     for (int64_t kp = 0; kp < k2; kp++) {
         __m512bh w[NB];
         for (int b = 0; b < nbk; b++)
-            w[b] = (__m512bh)_mm512_loadu_si512(p + b * block + kp * 32);
+            w[b] = (__m512bh)_mm512_loadu_si512((b < 2 ? p : p2) + (b & 1) * block + kp * 32);
         if (prefetch && kp == fetch_at) {
-            for (int64_t b = 0; b < ahead->blocks; b++)
-                _mm_prefetch((const char *)(ahead->p + b * block + kp * 32), _MM_HINT_T1);
+            for (int b = 0; b < ahead->blocks; b++)
+                _mm_prefetch((const char *)(tile_block(ahead->p, block, ahead->second, b)
+                                            + kp * 32), _MM_HINT_T1);
             fetch_at += ahead->every;
         }
         for (int m = 0; m < mr; m++) {
@@ -102,25 +132,60 @@ tile(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t k2, const int mr,
                 acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xv, w[b]);
         }
     }
+    if (how == SILU && nbk == 4) {
+        /* gate and up rounded as the stacked product rounds them, then the SiLU gate
+         * product as fused_layers.c's silu_mul_span computes it: the bits of the two apart */
+        for (int b = 0; b < 2; b++) {
+            const int64_t c = col0 + b * 16;
+            const __m512 bg = bias16(bias, 0xffff, c), bu = bias16(bias, 0xffff, n + c);
+            for (int m = 0; m < mr; m++) {
+                const __m256i gate = round_product(acc[m][b], bg);
+                const __m512 act = _mm512_i32gather_ps(_mm512_cvtepu16_epi32(gate), silu, 4);
+                const __m512 up = widen16(round_product(acc[m][b + 2], bu));
+                _mm256_storeu_si256((__m256i *)(y + m * n + c),
+                                    round16_exact(_mm512_mul_ps(act, up)));
+            }
+        }
+        return;
+    }
     for (int b = 0; b < nbk; b++) {
         const int64_t c = col0 + b * 16;
         const __mmask16 mask = column_mask(n, c);
         const __m512 bv = bias16(bias, mask, c);
-        for (int m = 0; m < mr; m++)
-            _mm256_mask_storeu_epi16(y + m * n + c, mask,
-                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][b], bv)));
+        for (int m = 0; m < mr; m++) {
+            __m256i out = round_product(acc[m][b], bv);
+            if (how == ADD) /* bfloat16(y + the rounded product), as torch adds bfloat16 */
+                out = round16_exact(_mm512_add_ps(
+                    widen16(out), widen16(_mm256_maskz_loadu_epi16(mask, y + m * n + c))));
+            _mm256_mask_storeu_epi16(y + m * n + c, mask, out);
+        }
     }
 }
 
-#define TILE_ROWS(MRV, PF)                                                     \
+/* One row tile with every tile() argument that shapes its loop a constant: the rows, the
+ * blocks, the prefetching and the epilogue. */
+#define TILE_CALL(MRV, NBV, PF, HOW) \
+    tile(xr, xs, pb, second, k2, MRV, NBV, bias, yr, n, col0, PF, &ahead, HOW, silu)
+#define TILE_ROWS(MRV, PF, HOW)                                                \
     case MRV:                                                                  \
         switch (nbk) {                                                         \
-        case 4: tile(xr, xs, pb, k2, MRV, 4, bias, yr, n, col0, PF, &ahead); break; \
-        case 3: tile(xr, xs, pb, k2, MRV, 3, bias, yr, n, col0, PF, &ahead); break; \
-        case 2: tile(xr, xs, pb, k2, MRV, 2, bias, yr, n, col0, PF, &ahead); break; \
-        default: tile(xr, xs, pb, k2, MRV, 1, bias, yr, n, col0, PF, &ahead); break; \
+        case 4: TILE_CALL(MRV, 4, PF, HOW); break;                             \
+        case 3: TILE_CALL(MRV, 3, PF, HOW); break;                             \
+        case 2: TILE_CALL(MRV, 2, PF, HOW); break;                             \
+        default: TILE_CALL(MRV, 1, PF, HOW); break;                            \
         }                                                                      \
         break;
+#define TILE_ANY_ROWS(PF, HOW)                                                 \
+    switch (mr) {                                                              \
+        TILE_ROWS(6, PF, HOW) TILE_ROWS(5, PF, HOW) TILE_ROWS(4, PF, HOW)      \
+        TILE_ROWS(3, PF, HOW) TILE_ROWS(2, PF, HOW) TILE_ROWS(1, PF, HOW)      \
+    }
+#define TILE_ANY(HOW)                                                          \
+    if (rows <= PREFETCH_ROWS) {                                               \
+        TILE_ANY_ROWS(1, HOW)                                                  \
+    } else {                                                                   \
+        TILE_ANY_ROWS(0, HOW)                                                  \
+    }
 
 /* The calling thread's share of `blocks` column blocks, [*lo, *hi): one contiguous range
  * per thread of the team, so each streams its own weights once. */
@@ -151,6 +216,49 @@ static inline void store_rows(const float *acc, int mr, const uint16_t *bias, ui
                 _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
                     _mm256_maskz_loadu_epi16(mask, y + m * n + c)), 16))));
         _mm256_mask_storeu_epi16(y + m * n + c, mask, out);
+    }
+}
+
+/* The dot-instruction loop: x's rows times p into y as `how` says. Its units are groups of
+ * up to NB blocks (16 columns each) of y, or for SILU (n = inter, a multiple of 32) the
+ * 32 columns j.. of the SiLU gate product, made of gate blocks j / 16, j / 16 + 1 and their
+ * up blocks inter / 16 blocks on. Each thread takes one contiguous range of units and
+ * streams their weights once, every row tile reusing a unit's weights from cache. */
+static void linear_dot(const uint16_t *x, const uint16_t *p, const uint16_t *bias, uint16_t *y,
+                       int64_t rows, int64_t n, int64_t k2, int64_t xs, enum epilogue how,
+                       const float *silu) {
+    const int64_t block = k2 * 32, tiles = (rows + MR - 1) / MR;
+    const int silu_units = how == SILU;
+    /* SILU: units of 2 blocks' columns (4 blocks' weights); else single blocks, grouped */
+    const int64_t blocks = silu_units ? n / 32 : (n + 15) / 16, step = silu_units ? 1 : NB;
+    const int64_t second = silu_units ? n / 16 * block : 2 * block;
+#pragma omp parallel if (rows * n * 2 * k2 >= 65536)
+    {
+        int64_t lo, hi;
+        thread_blocks(blocks, &lo, &hi);
+        for (int64_t b0 = lo; b0 < hi; b0 += step) {
+            const int nbk = silu_units ? 4 : (int)(hi - b0 < NB ? hi - b0 : NB);
+            const uint16_t *pb = p + b0 * (silu_units ? 2 : 1) * block;
+            const int64_t col0 = b0 * (silu_units ? 32 : 16);
+            const int64_t next = b0 + step < hi ? b0 + step : hi;
+            const int64_t next_blocks = silu_units ? (next < hi ? 4 : 0)
+                                                   : (hi - next < NB ? hi - next : NB);
+            for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+                const int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
+                const uint16_t *xr = x + r0 * xs;
+                uint16_t *yr = y + r0 * n;
+                const struct ahead ahead = {p + next * (silu_units ? 2 : 1) * block, second,
+                                            next_blocks, r0 / MR, tiles};
+                /* a runtime epilogue cost the store loop 5-10% (2048 rows) */
+                if (how == STORE) {
+                    TILE_ANY(STORE)
+                } else if (how == ADD) {
+                    TILE_ANY(ADD)
+                } else {
+                    TILE_ANY(SILU)
+                }
+            }
+        }
     }
 }
 
@@ -425,42 +533,57 @@ static void linear_silu_amx(const uint16_t *x, const uint16_t *p, const uint16_t
 int amx_enable(void) { return 0; }
 #endif
 
+/* Whether linear_dpbf16 runs a product of depth k on the tiles. */
+static inline int on_tiles(int64_t k) {
+#ifdef HAVE_AMX
+    return amx_granted && k % AMX_K == 0;
+#else
+    (void)k;
+    return 0;
+#endif
+}
+
 /* out[m, j] = bfloat16(silu[g] * u) for the stacked product [g | u] = linear_dpbf16(x, p,
  * bias) of 2 inter columns (gate, then up), rounded as linear_dpbf16 rounds: the product
  * and fused_layers.c's silu_mul_rows_bf16 in one pass, the same bits, without writing the
  * product (twice the output's bytes) and reading it back. silu is the activation table
- * (fused_layers.silu_table()). Runs on the tiles only; returns -1 (nothing written) unless
- * they were granted, k % 32 == 0, inter % 32 == 0, and rows is a positive multiple of 32:
- * the caller then runs the product and the SiLU apart, as it does for any other rows. */
+ * (fused_layers.silu_table()). Each row is computed by the loop linear_dpbf16 would take
+ * for it. Returns -1 (nothing written) for no rows, an odd k or inter % 32 != 0, and on
+ * the tiles also unless rows is a multiple of 32: the caller then runs the product and
+ * the SiLU apart, as it does for any other rows. */
 int linear_silu_dpbf16(const uint16_t *x, const uint16_t *p, const uint16_t *bias,
                        uint16_t *out, int64_t rows, int64_t inter, int64_t k, int64_t xs,
                        const float *silu) {
+    if (rows < 1 || k < 2 || k % 2 || inter < 32 || inter % 32)
+        return -1;
 #ifdef HAVE_AMX
-    if (amx_granted && k % AMX_K == 0 && inter % 32 == 0 && inter > 0 && rows > 0
-        && rows % 32 == 0) {
+    if (on_tiles(k)) {
+        if (rows % 32)
+            return -1;
         linear_silu_amx(x, p, bias, out, rows, inter, k / 2, xs, silu);
         return 0;
     }
 #endif
-    (void)x, (void)p, (void)bias, (void)out, (void)rows, (void)inter, (void)k, (void)xs,
-        (void)silu;
-    return -1;
+    linear_dot(x, p, bias, out, rows, inter, k / 2, xs, SILU, silu);
+    return 0;
 }
 
 /* y = bfloat16(y + linear_dpbf16(x, p, bias)), y [rows, n] contiguous and not overlapping
  * x: the product and a residual add in one pass, with the bits of the two apart (the
- * product rounded to bfloat16, then added as torch adds bfloat16 tensors). Runs on the
- * tiles only; returns -1 (y untouched) unless they were granted, k % 32 == 0 and rows > 0. */
+ * product rounded to bfloat16, then added as torch adds bfloat16 tensors). Returns -1 (y
+ * untouched) for no rows or an odd k. */
 int linear_add_dpbf16(const uint16_t *x, const uint16_t *p, const uint16_t *bias, uint16_t *y,
                       int64_t rows, int64_t n, int64_t k, int64_t xs) {
+    if (rows < 1 || k < 2 || k % 2)
+        return -1;
 #ifdef HAVE_AMX
-    if (amx_granted && k % AMX_K == 0 && rows > 0) {
+    if (on_tiles(k)) {
         linear_amx(x, p, bias, y, rows, n, k / 2, xs, 1);
         return 0;
     }
 #endif
-    (void)x, (void)p, (void)bias, (void)y, (void)rows, (void)n, (void)k, (void)xs;
-    return -1;
+    linear_dot(x, p, bias, y, rows, n, k / 2, xs, ADD, NULL);
+    return 0;
 }
 
 /* y[m, j] = bfloat16(sum_i x[m, i] * w[j, i] + bias[j]): x bfloat16 [rows, k] with row
@@ -472,41 +595,12 @@ int linear_dpbf16(const uint16_t *x, const uint16_t *p, const uint16_t *bias, ui
     if (rows < 1 || k < 2 || k % 2)
         return -1;
 #ifdef HAVE_AMX
-    if (amx_granted && k % AMX_K == 0) {
+    if (on_tiles(k)) {
         linear_amx(x, p, bias, y, rows, n, k / 2, xs, 0);
         return 0;
     }
 #endif
-    const int64_t k2 = k / 2, blocks = (n + 15) / 16, tiles = (rows + MR - 1) / MR;
-#pragma omp parallel if (rows * n * k >= 65536)
-    {
-        int64_t lo, hi;
-        thread_blocks(blocks, &lo, &hi);
-        for (int64_t b0 = lo; b0 < hi; b0 += NB) {
-            const int nbk = (int)(hi - b0 < NB ? hi - b0 : NB);
-            const uint16_t *pb = p + b0 * k2 * 32;
-            const int64_t col0 = b0 * 16;
-            const int64_t next = b0 + NB < hi ? b0 + NB : hi;
-            const int64_t next_blocks = hi - next < NB ? hi - next : NB;
-            for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-                const int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
-                const uint16_t *xr = x + r0 * xs;
-                uint16_t *yr = y + r0 * n;
-                const struct ahead ahead = {p + next * k2 * 32, next_blocks, r0 / MR, tiles};
-                if (rows <= PREFETCH_ROWS) {
-                    switch (mr) {
-                        TILE_ROWS(6, 1) TILE_ROWS(5, 1) TILE_ROWS(4, 1)
-                        TILE_ROWS(3, 1) TILE_ROWS(2, 1) TILE_ROWS(1, 1)
-                    }
-                } else {
-                    switch (mr) {
-                        TILE_ROWS(6, 0) TILE_ROWS(5, 0) TILE_ROWS(4, 0)
-                        TILE_ROWS(3, 0) TILE_ROWS(2, 0) TILE_ROWS(1, 0)
-                    }
-                }
-            }
-        }
-    }
+    linear_dot(x, p, bias, y, rows, n, k / 2, xs, STORE, NULL);
     return 0;
 }
 #else

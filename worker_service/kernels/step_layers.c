@@ -200,12 +200,18 @@ int step_layers(const struct kernels *kn, const struct shape *sh, const struct l
                                   qc)))
             return status;
         kn->rms_norm(hidden, L->post_norm, s->normed, tokens, H, H, H, L->post_eps);
-        /* rows past the last multiple of 32, or all where the one-pass call does not apply,
-         * take the product and the SiLU apart (the same bits) */
-        int64_t done = kn->linear_silu ? tokens / 32 * 32 : 0;
-        if (done && kn->linear_silu(s->normed, L->gate_up, L->gate_up_bias, s->act, done,
-                                    inter, H, H, kn->silu))
-            done = 0;
+        /* the one-pass call takes every row, or on the tiles those up to the last
+         * multiple of 32; the rest take the product and the SiLU apart (the same bits) */
+        int64_t done = 0;
+        if (kn->linear_silu) {
+            if (!kn->linear_silu(s->normed, L->gate_up, L->gate_up_bias, s->act, tokens,
+                                 inter, H, H, kn->silu))
+                done = tokens;
+            else if (tokens / 32 && tokens % 32
+                     && !kn->linear_silu(s->normed, L->gate_up, L->gate_up_bias, s->act,
+                                         tokens / 32 * 32, inter, H, H, kn->silu))
+                done = tokens / 32 * 32;
+        }
         if (done < tokens) {
             if ((status = kn->linear(s->normed + done * H, L->gate_up, L->gate_up_bias,
                                      s->gate_up, tokens - done, 2 * inter, H, H)))

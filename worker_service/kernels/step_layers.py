@@ -10,12 +10,12 @@ as pointers from the libraries the loop uses) with the same arguments, so the hi
 have the same bits; the worker's probe of the loop (ModelRunner._layer_loop) compares a
 decoding step against the model's own forward too.
 
-Where the CPU has AMX, the gate/up product and the SiLU gate product run as one pass from
-32 rows on (dpbf16_linear.c's linear_silu_dpbf16), and the output and down products add
+The gate/up product and the SiLU gate product run as one pass (dpbf16_linear.c's
+linear_silu_dpbf16; on AMX tiles from 32 rows on), and the output and down products add
 into the hidden states in their own pass (linear_add_dpbf16), with the same bits: the
 megabytes of a long prompt's intermediate products are never written out and read back.
-A 2048-token SmolLM2 prefill went from 435 to 400 ms (the SiLU) and 381 ms (the adds),
-medians of three alternated runs; at 512 tokens the change was within the noise.
+On AMX a 2048-token SmolLM2 prefill went from 435 to 400 ms (the SiLU) and 381 ms (the
+adds), medians of three alternated runs; at 512 tokens the change was within the noise.
 
 It takes steps of decoding rows and prompts (whole or in chunks, after a cached prefix),
 not contrastive search's candidate trees, and only layers built from the pieces it calls:
