@@ -99,7 +99,7 @@ static inline int64_t head_row(int64_t row, int64_t t0, int64_t h, int64_t heads
 
 /* Query rows a pass over a tile's keys or values serves: 6 rows x 4 blocks of 16 lanes are
  * 24 of the 32 registers, as in dpbf16_linear.c, so each key or value load feeds six dot
- * instructions (against 4 rows x 2 blocks: 1.07-1.16x at 1024-2048 tokens, same bits). */
+ * instructions (against 4 rows x 2 blocks: 1.07-1.11x at 1024-2048 tokens, same bits). */
 #define PASS_ROWS 6
 
 /* Scores of nr (<= PASS_ROWS) query rows against blocks b0 .. b0 + nb - 1 of 16 slots:
