@@ -140,21 +140,25 @@ scores_nr(const uint16_t *const *qr, const int nr, const uint32_t *kp, int64_t b
         scores_blocks(qr, nr, kp, b, 2, dim, sv, s);
 }
 
-/* scores_nr with the row count (1 .. PASS_ROWS) and, for the common 64, dim constants. */
+/* FN(rows, N, packed, count, dim, a, b) with the row count N = nr (1 .. PASS_ROWS) a
+ * constant, and dim too where it is the common 64. */
+#define ROW_CASE(FN, N, R, K, C, D, A, B)                                      \
+    case N:                                                                    \
+        if ((D) == 64)                                                         \
+            FN(R, N, K, C, 64, A, B);                                          \
+        else                                                                   \
+            FN(R, N, K, C, D, A, B);                                           \
+        break;
+#define ROWS_CONSTANT(FN, R, NR, K, C, D, A, B)                                \
+    switch (NR) {                                                              \
+        ROW_CASE(FN, 6, R, K, C, D, A, B) ROW_CASE(FN, 5, R, K, C, D, A, B)    \
+        ROW_CASE(FN, 4, R, K, C, D, A, B) ROW_CASE(FN, 3, R, K, C, D, A, B)    \
+        ROW_CASE(FN, 2, R, K, C, D, A, B) ROW_CASE(FN, 1, R, K, C, D, A, B)    \
+    }
+
 static void scores_rows(const uint16_t *const *qr, int nr, const uint32_t *kp, int64_t blocks,
                         int64_t dim, float scale, float *const *s) {
-#define SCORES_CASE(N)                                                         \
-    case N:                                                                    \
-        if (dim == 64)                                                         \
-            scores_nr(qr, N, kp, blocks, 64, scale, s);                        \
-        else                                                                   \
-            scores_nr(qr, N, kp, blocks, dim, scale, s);                       \
-        break;
-    switch (nr) {
-        SCORES_CASE(6) SCORES_CASE(5) SCORES_CASE(4) SCORES_CASE(3) SCORES_CASE(2)
-        SCORES_CASE(1)
-    }
-#undef SCORES_CASE
+    ROWS_CONSTANT(scores_nr, qr, nr, kp, blocks, dim, scale, s)
 }
 
 /* out rows (nr <= PASS_ROWS) = p_r . v over `pairs` slot pairs (summed in order), divided
@@ -189,21 +193,9 @@ values_nr(const uint16_t *const *pr, const int nr, const uint32_t *vp, int64_t p
     }
 }
 
-/* values_nr with the row count and, for the common 64, dim constants. */
 static void values_rows(const uint16_t *const *pr, int nr, const uint32_t *vp, int64_t pairs,
                         int64_t dim, const float *inv, uint16_t *const *o) {
-#define VALUES_CASE(N)                                                         \
-    case N:                                                                    \
-        if (dim == 64)                                                         \
-            values_nr(pr, N, vp, pairs, 64, inv, o);                           \
-        else                                                                   \
-            values_nr(pr, N, vp, pairs, dim, inv, o);                          \
-        break;
-    switch (nr) {
-        VALUES_CASE(6) VALUES_CASE(5) VALUES_CASE(4) VALUES_CASE(3) VALUES_CASE(2)
-        VALUES_CASE(1)
-    }
-#undef VALUES_CASE
+    ROWS_CONSTANT(values_nr, pr, nr, vp, pairs, dim, inv, o)
 }
 
 /* Lanes i + j (j < 16) inside [from, to). */
