@@ -98,6 +98,28 @@ static inline __m512 widen16(__m256i v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
+/* A row's 16 sums plus bias, rounded, into dst's masked lanes; with `add`, added to dst's
+ * values instead, bfloat16(dst + the rounded product), as torch adds two bfloat16 tensors:
+ * the products' epilogue, on the tiles and the dot loop alike. */
+static inline void store_sums16(__m512 sums, __m512 bias, __mmask16 mask, uint16_t *dst,
+                                int add) {
+    __m256i out = round_product(sums, bias);
+    if (add)
+        out = round16_exact(_mm512_add_ps(widen16(out),
+                                          widen16(_mm256_maskz_loadu_epi16(mask, dst))));
+    _mm256_mask_storeu_epi16(dst, mask, out);
+}
+
+/* bfloat16(silu[g] * u) of 16 gate and up sums, each plus its bias and rounded as the
+ * stacked product rounds them: the SiLU gate product as fused_layers.c's silu_mul_span
+ * computes it from that product, so the bits of the two apart. */
+static inline __m256i silu_product16(__m512 gate_sums, __m512 up_sums, __m512 gate_bias,
+                                     __m512 up_bias, const float *silu) {
+    const __m256i gate = round_product(gate_sums, gate_bias);
+    const __m512 act = _mm512_i32gather_ps(_mm512_cvtepu16_epi32(gate), silu, 4);
+    return round16_exact(_mm512_mul_ps(act, widen16(round_product(up_sums, up_bias))));
+}
+
 /* Rows [0, mr) of x times blocks [0, nbk) of p (k2 pairs each, placed as tile_block says)
  * into y's columns col0.. of rows n apart, as `how` says (a SILU tile has nbk = 4: gate
  * bias at bias + col0, up bias at bias + n + col0; silu the activation table). mr, nbk
@@ -113,11 +135,10 @@ tile(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t second, int64_t k
         for (int b = 0; b < nbk; b++)
             acc[m][b] = _mm512_setzero_ps();
     const int64_t block = k2 * 32; /* bfloat16 values in one packed block */
-    const uint16_t *p2 = p + second; /* blocks 2 and 3 */
     for (int64_t kp = 0; kp < k2; kp++) {
         __m512bh w[NB];
         for (int b = 0; b < nbk; b++)
-            w[b] = (__m512bh)_mm512_loadu_si512((b < 2 ? p : p2) + (b & 1) * block + kp * 32);
+            w[b] = (__m512bh)_mm512_loadu_si512(tile_block(p, block, second, b) + kp * 32);
         if (prefetch && kp == fetch_at) {
             for (int b = 0; b < ahead->blocks; b++)
                 _mm_prefetch((const char *)(tile_block(ahead->p, block, ahead->second, b)
@@ -133,18 +154,12 @@ tile(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t second, int64_t k
         }
     }
     if (how == SILU && nbk == 4) {
-        /* gate and up rounded as the stacked product rounds them, then the SiLU gate
-         * product as fused_layers.c's silu_mul_span computes it: the bits of the two apart */
         for (int b = 0; b < 2; b++) {
             const int64_t c = col0 + b * 16;
             const __m512 bg = bias16(bias, 0xffff, c), bu = bias16(bias, 0xffff, n + c);
-            for (int m = 0; m < mr; m++) {
-                const __m256i gate = round_product(acc[m][b], bg);
-                const __m512 act = _mm512_i32gather_ps(_mm512_cvtepu16_epi32(gate), silu, 4);
-                const __m512 up = widen16(round_product(acc[m][b + 2], bu));
+            for (int m = 0; m < mr; m++)
                 _mm256_storeu_si256((__m256i *)(y + m * n + c),
-                                    round16_exact(_mm512_mul_ps(act, up)));
-            }
+                                    silu_product16(acc[m][b], acc[m][b + 2], bg, bu, silu));
         }
         return;
     }
@@ -152,13 +167,8 @@ tile(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t second, int64_t k
         const int64_t c = col0 + b * 16;
         const __mmask16 mask = column_mask(n, c);
         const __m512 bv = bias16(bias, mask, c);
-        for (int m = 0; m < mr; m++) {
-            __m256i out = round_product(acc[m][b], bv);
-            if (how == ADD) /* bfloat16(y + the rounded product), as torch adds bfloat16 */
-                out = round16_exact(_mm512_add_ps(
-                    widen16(out), widen16(_mm256_maskz_loadu_epi16(mask, y + m * n + c))));
-            _mm256_mask_storeu_epi16(y + m * n + c, mask, out);
-        }
+        for (int m = 0; m < mr; m++)
+            store_sums16(acc[m][b], bv, mask, y + m * n + c, how == ADD);
     }
 }
 
@@ -207,16 +217,8 @@ static inline void store_rows(const float *acc, int mr, const uint16_t *bias, ui
                               int64_t n, int64_t c, int add) {
     const __mmask16 mask = column_mask(n, c);
     const __m512 bv = bias16(bias, mask, c);
-    for (int m = 0; m < mr; m++) {
-        __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc + m * 16),
-                                                                bv));
-        if (add)
-            out = round16_exact(_mm512_add_ps(
-                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(out), 16)),
-                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                    _mm256_maskz_loadu_epi16(mask, y + m * n + c)), 16))));
-        _mm256_mask_storeu_epi16(y + m * n + c, mask, out);
-    }
+    for (int m = 0; m < mr; m++)
+        store_sums16(_mm512_loadu_ps(acc + m * 16), bv, mask, y + m * n + c, add);
 }
 
 /* The dot-instruction loop: x's rows times p into y as `how` says. Its units are groups of
@@ -230,7 +232,8 @@ static void linear_dot(const uint16_t *x, const uint16_t *p, const uint16_t *bia
     const int64_t block = k2 * 32, tiles = (rows + MR - 1) / MR;
     const int silu_units = how == SILU;
     /* SILU: units of 2 blocks' columns (4 blocks' weights); else single blocks, grouped */
-    const int64_t blocks = silu_units ? n / 32 : (n + 15) / 16, step = silu_units ? 1 : NB;
+    const int64_t unit_blocks = silu_units ? 2 : 1, step = silu_units ? 1 : NB;
+    const int64_t blocks = (n + 16 * unit_blocks - 1) / (16 * unit_blocks);
     const int64_t second = silu_units ? n / 16 * block : 2 * block;
 #pragma omp parallel if (rows * n * 2 * k2 >= 65536)
     {
@@ -238,8 +241,8 @@ static void linear_dot(const uint16_t *x, const uint16_t *p, const uint16_t *bia
         thread_blocks(blocks, &lo, &hi);
         for (int64_t b0 = lo; b0 < hi; b0 += step) {
             const int nbk = silu_units ? 4 : (int)(hi - b0 < NB ? hi - b0 : NB);
-            const uint16_t *pb = p + b0 * (silu_units ? 2 : 1) * block;
-            const int64_t col0 = b0 * (silu_units ? 32 : 16);
+            const uint16_t *pb = p + b0 * unit_blocks * block;
+            const int64_t col0 = b0 * unit_blocks * 16;
             const int64_t next = b0 + step < hi ? b0 + step : hi;
             const int64_t next_blocks = silu_units ? (next < hi ? 4 : 0)
                                                    : (hi - next < NB ? hi - next : NB);
@@ -247,7 +250,7 @@ static void linear_dot(const uint16_t *x, const uint16_t *p, const uint16_t *bia
                 const int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
                 const uint16_t *xr = x + r0 * xs;
                 uint16_t *yr = y + r0 * n;
-                const struct ahead ahead = {p + next * (silu_units ? 2 : 1) * block, second,
+                const struct ahead ahead = {p + next * unit_blocks * block, second,
                                             next_blocks, r0 / MR, tiles};
                 /* a runtime epilogue cost the store loop 5-10% (2048 rows) */
                 if (how == STORE) {
@@ -459,12 +462,8 @@ static inline void silu_rows_32(const float *part, const uint16_t *bias_gate,
     const __m512 bg = bias16(bias_gate, 0xffff, 0), bu = bias16(bias_up, 0xffff, 0);
     for (int r = 0; r < 32; r++) {
         const float *g = part + (r >> 4) * 512 + (r & 15) * 16;
-        const __m256i gate = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(g), bg));
-        const __m256i up = (__m256i)_mm512_cvtneps_pbh(
-            _mm512_add_ps(_mm512_load_ps(g + 256), bu));
-        const __m512 act = _mm512_i32gather_ps(_mm512_cvtepu16_epi32(gate), silu, 4);
-        const __m512 upf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(up), 16));
-        const __m256i y = round16_exact(_mm512_mul_ps(act, upf));
+        const __m256i y = silu_product16(_mm512_load_ps(g), _mm512_load_ps(g + 256), bg, bu,
+                                         silu);
         if (!odd)
             _mm256_store_si256((__m256i *)(stash + 16 * r), y);
         else
