@@ -22,12 +22,16 @@ def _runner(tmp_path, arch: str, size: str, seed: int = 1):
     return ModelRunner(str(model), dtype="bfloat16")
 
 
-def _steps(runner, vocab: int, steps: int) -> list[torch.Tensor]:
-    """A served run in miniature over two KV groups: three prompts in one step (one long
-    enough for the tiled prompt loop); a prompt's first chunk beside those rows' decoding;
-    its second chunk (40 tokens after its slots 0-19: the tiled loop) and a whole prompt
-    beside them; then `steps`
-    decoding steps over all five rows. Every step's hidden states [tokens, hidden]."""
+def _steps(runner, vocab: int, steps: int, sampled_only: bool = False,
+           kept: list | None = None) -> list[torch.Tensor]:
+    """A served run in miniature over two KV groups: a prompt's first chunk alone (8 tokens,
+    no token sampled); three prompts in one step (one long enough for the tiled prompt
+    loop); its second chunk (no token sampled either) beside those rows' decoding; its
+    third chunk (40 tokens after its slots 0-19: the tiled loop) and a whole prompt beside
+    them; then `steps` decoding steps over all five rows. Every step's hidden states
+    [tokens, hidden], or with `sampled_only` only those the steps sample from (a prompt's
+    last token, every decoding row), read through `runner.forward(batch, rows)`; `kept`
+    gets each step's sampled token indices."""
     from worker_service.kv_groups import KVGroup
     from worker_service.packed_batch import PackedBatch
 
@@ -42,24 +46,34 @@ def _steps(runner, vocab: int, steps: int) -> list[torch.Tensor]:
         b.add_empty_row(r, room)
     out, nxt = [], {}
 
-    def run(batch, rows):
+    def run(batch, rows, unsampled=()):
         """rows: (group, row, new length) for each segment in order, whose last token
-        yields the row's next token."""
-        hidden = runner.forward(batch)
-        out.append(hidden)
-        logits = runner.logits(hidden)
+        yields the row's next token unless its segment's index is in `unsampled`."""
         ends = [seg.token_start + seg.num_tokens for seg in batch.segments]
+        sampled = []
+        for j, (seg, end) in enumerate(zip(batch.segments, ends)):
+            if hasattr(seg, "row_start"):
+                sampled += range(seg.token_start, end)
+            elif j not in unsampled:
+                sampled.append(end - 1)
+        if kept is not None:
+            kept.append(sampled)
+        hidden = runner.forward(batch, sampled if sampled_only else None)
+        out.append(hidden)
+        at = {t: i if sampled_only else t for i, t in enumerate(sampled)}
+        logits = runner.logits(hidden)
         k = 0
-        for seg, end in zip(batch.segments, ends):
+        for j, (seg, end) in enumerate(zip(batch.segments, ends)):
             if hasattr(seg, "row_start"):
                 for i in range(seg.num_tokens):
                     g, r, n = rows[k]
-                    nxt[id(g), r] = int(logits[seg.token_start + i].argmax())
+                    nxt[id(g), r] = int(logits[at[seg.token_start + i]].argmax())
                     g.fill(r, n)
                     k += 1
             else:
                 g, r, n = rows[k]
-                nxt[id(g), r] = int(logits[end - 1].argmax())
+                if j not in unsampled:
+                    nxt[id(g), r] = int(logits[at[end - 1]].argmax())
                 g.fill(r, n)
                 k += 1
 
@@ -68,16 +82,19 @@ def _steps(runner, vocab: int, steps: int) -> list[torch.Tensor]:
         return [(g, r, g.length(r) + 1) for r in range(g.rows)]
 
     with torch.inference_mode():
+        long_prompt = ids(60, 7)
+        batch = PackedBatch(runner.device, runner.layer_attention)
+        batch.add_row(b, 0, long_prompt[:8], 0)
+        run(batch, [(b, 0, 8)], unsampled=(0,))
         batch = PackedBatch(runner.device, runner.layer_attention)
         lengths = (37, 5, 21)
         for r, n in enumerate(lengths):
             batch.add_row(a, r, ids(n, r), 0)
         run(batch, [(a, r, n) for r, n in enumerate(lengths)])
-        long_prompt = ids(60, 7)
         batch = PackedBatch(runner.device, runner.layer_attention)
         rows = decode(batch, a)
-        batch.add_row(b, 0, long_prompt[:20], 0)
-        run(batch, rows + [(b, 0, 20)])
+        batch.add_row(b, 0, long_prompt[8:20], 8)
+        run(batch, rows + [(b, 0, 20)], unsampled=(1,))
         batch = PackedBatch(runner.device, runner.layer_attention)
         rows = decode(batch, a)
         batch.add_row(b, 0, long_prompt[20:], 20)
@@ -112,14 +129,45 @@ def test_steps_in_one_call_have_the_bits_of_the_per_layer_calls(tmp_path, arch, 
     monkeypatch.setattr(step_layers.StepLayers, "forward", counting)
     vocab = runner.facts.vocab_size
     fast = _steps(runner, vocab, 12)
-    assert len(counted) == 15  # every step
+    assert len(counted) == 16  # every step
     call, loop.step_layers = loop.step_layers, None
     slow = _steps(runner, vocab, 12)
     loop.step_layers = call
-    assert len(counted) == 15
-    assert len(fast) == len(slow) == 15
+    assert len(counted) == 16
+    assert len(fast) == len(slow) == 16
     for i, (f, s) in enumerate(zip(fast, slow)):
         assert torch.equal(f, s), f"step {i}"
+
+
+@needs_library
+@pytest.mark.parametrize("arch,size", [("llama", "tiny"), ("qwen2", "odd"), ("mistral", "odd")])
+def test_a_step_read_at_its_sampled_rows_gives_them_the_bits_of_the_whole(tmp_path, arch, size):
+    """With the rows the engine samples from, the C call leaves the other tokens' last
+    layer out but for its keys and values: the sampled rows keep their bits (prompt pieces
+    after a cached part, windows, a step that samples nothing), and so does every later
+    step, which reads the keys and values the pruned layer wrote."""
+    runner = _runner(tmp_path, arch, size)
+    vocab = runner.facts.vocab_size
+    whole_kept, part_kept = [], []
+    whole = _steps(runner, vocab, 6, kept=whole_kept)
+    calls: list = []
+    forward = step_layers.StepLayers.forward
+
+    def recording(self, batch, hidden, cos, sin, rows=None):
+        out = forward(self, batch, hidden, cos, sin, rows)
+        calls.append((hidden.shape[1], rows, out.shape[1]))
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(step_layers.StepLayers, "forward", recording)
+        part = _steps(runner, vocab, 6, sampled_only=True, kept=part_kept)
+    assert whole_kept == part_kept
+    assert [c[1] for c in calls] == part_kept  # every step through the C call, with rows
+    assert calls[0] == (8, [], 0)  # a lone chunk: nothing sampled
+    assert calls[1][0] == 63 and calls[1][2] == 3  # three prompts: their last tokens
+    for i, (w, p, rows) in enumerate(zip(whole, part, whole_kept)):
+        assert p.shape[0] == len(rows)
+        assert torch.equal(w[rows], p), f"step {i}"
 
 
 @needs_library

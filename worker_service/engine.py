@@ -225,13 +225,18 @@ class Engine:
         if not fwd.batch.num_tokens:
             return
         t = time.perf_counter()
-        hidden = self.runner.forward(fwd.batch)
-        logits = None
-        if fwd.sampled:
-            logits = self.runner.logits(hidden[[s.token_index for s in fwd.sampled]])
+        # The states read are the sampled tokens' (the forward may then skip the last
+        # layer of the rest but for its KV), unless contrastive search keeps a prompt's
+        # states or scores a tree's candidates.
+        index = [s.token_index for s in fwd.sampled]
+        whole = (fwd.trees or any(p.seq.contrastive for p in fwd.prefills)
+                 or any(b <= a for a, b in zip(index, index[1:])))
+        hidden = self.runner.forward(fwd.batch, None if whole else index)
+        sampled = hidden[index] if whole else hidden
+        logits = self.runner.logits(sampled) if fwd.sampled else None
         result.forward_seconds += time.perf_counter() - t
         predicted = ({} if self.length_probe is None else
-                     self.length_probe.observe_prefills(fwd.prefills, hidden))
+                     self.length_probe.observe_prefills(fwd.prefills, sampled, index))
         for seg in fwd.decodes:
             seg.group.advance(seg.row_start, seg.row_end)
         t = time.perf_counter()

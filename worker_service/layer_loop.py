@@ -88,14 +88,15 @@ class LayerLoop:
                       o_proj=_direct(attn.o_proj),
                       post_norm=_direct(layer.post_attention_layernorm), mlp=_direct(layer.mlp))
 
-    def forward(self, batch: PackedBatch, ids: torch.Tensor,
-                positions: torch.Tensor) -> torch.Tensor:
-        """ids, positions [1, tokens] -> last-layer hidden states [1, tokens, hidden]; each
-        layer's new keys and values land in the batch's group buffers."""
+    def forward(self, batch: PackedBatch, ids: torch.Tensor, positions: torch.Tensor,
+                rows: list[int] | None = None) -> torch.Tensor:
+        """ids, positions [1, tokens] -> last-layer hidden states [1, tokens, hidden], or
+        with `rows` (strictly ascending token indices) those rows' [1, len(rows), hidden];
+        each layer's new keys and values land in the batch's group buffers."""
         hidden = self.embed(ids)
         cos, sin = self.rotary_emb(hidden, positions)
         if self.step_layers is not None and self.step_layers.takes(batch, hidden, cos):
-            return self.norm(self.step_layers.forward(batch, hidden, cos, sin))
+            return self.norm(self.step_layers.forward(batch, hidden, cos, sin, rows))
         shape = hidden.shape[:-1]
         for layer in self.layers:
             # LlamaDecoderLayer.forward and LlamaAttention.forward, with the Cache update
@@ -112,7 +113,7 @@ class LayerLoop:
             hidden = residual + layer.o_proj(out.reshape(*shape, -1).contiguous())
             residual = hidden
             hidden = residual + layer.mlp(layer.post_norm(hidden))
-        return self.norm(hidden)
+        return self.norm(hidden if rows is None else hidden[:, rows])
 
 
 def _rotary_function(attn: nn.Module) -> Callable | None:

@@ -204,14 +204,17 @@ class LengthProbe:
 
     # --- the engine's hook-up ----------------------------------------------------------
 
-    def observe_prefills(self, prefills: list[Prefill], hidden: torch.Tensor) -> dict[int, int]:
+    def observe_prefills(self, prefills: list[Prefill], hidden: torch.Tensor,
+                         tokens: list[int]) -> dict[int, int]:
         """Predictions for the sequences whose prompt's last chunk this forward ran, from
-        `hidden` (the forward's final hidden states) at their last prompt position. A
-        re-admitted sequence (tokens generated before) or a beam search gets none."""
+        `hidden` (the forward's final hidden states at its token indices `tokens`, which
+        hold every sampled prompt's last) at their last prompt position. A re-admitted
+        sequence (tokens generated before) or a beam search gets none."""
         first = [p for p in prefills if p.final and p.seq.num_generated == 0 and not p.seq.beam]
         if not first:
             return {}
-        rows = hidden[[p.segment.token_start + p.segment.num_tokens - 1 for p in first]]
+        at = {token: i for i, token in enumerate(tokens)}
+        rows = hidden[[at[p.segment.token_start + p.segment.num_tokens - 1] for p in first]]
         rows = rows.float().cpu()  # one copy off the device for all of them
         out = {}
         for p, row in zip(first, rows):

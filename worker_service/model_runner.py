@@ -354,20 +354,24 @@ class ModelRunner:
                        reads_padding=not native_only)
 
     @torch.inference_mode()
-    def forward(self, batch: PackedBatch) -> torch.Tensor:
+    def forward(self, batch: PackedBatch, rows: list[int] | None = None) -> torch.Tensor:
         """Run every token of `batch` in one forward; returns last-layer hidden states
-        [tokens, hidden]. Each segment's keys and values land in its group's buffers."""
+        [tokens, hidden], or with `rows` (strictly ascending token indices: the states the
+        caller reads) [len(rows), hidden], where the C step may leave the other tokens'
+        last layer out but for its keys and values. Each segment's keys and values land
+        in its group's buffers."""
         if self.fallback is not None:
-            return self.fallback.forward(batch)
-        return self._packed(batch, self.layer_loop)
+            hidden = self.fallback.forward(batch)
+            return hidden if rows is None else hidden[rows]
+        return self._packed(batch, self.layer_loop, rows)
 
-    def _packed(self, batch: PackedBatch, loop: layer_loop.LayerLoop | None = None
-                ) -> torch.Tensor:
+    def _packed(self, batch: PackedBatch, loop: layer_loop.LayerLoop | None = None,
+                rows: list[int] | None = None) -> torch.Tensor:
         n = batch.num_tokens
         ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)[None]
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)[None]
         if loop is not None:
-            return loop.forward(batch, ids, positions)[0]
+            return loop.forward(batch, ids, positions, rows)[0]
         # Attention masks itself per segment; transformers passes a 4D mask through
         # untouched, and this expanded view costs no memory.
         mask = self._no_mask.expand(1, 1, n, n)
@@ -375,7 +379,8 @@ class ModelRunner:
         with attention.active_batch(batch):
             out = self.base(input_ids=ids, position_ids=positions, attention_mask=mask,
                             past_key_values=cache, use_cache=True)
-        return out.last_hidden_state[0]
+        hidden = out.last_hidden_state[0]
+        return hidden if rows is None else hidden[rows]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

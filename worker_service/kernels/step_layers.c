@@ -12,7 +12,9 @@
  * product takes the SiLU gate product into its pass, and the output and down products
  * their residual adds (the same bits): at 2048 prompt tokens the intermediate products
  * are megabytes, and writing them out and reading them back cost more than the arithmetic
- * that joins them.
+ * that joins them. Where the caller reads the last layer's states only at some rows (the
+ * tokens it samples), the other rows' last layer stops after its keys and values, as
+ * llama.cpp's graphs do: a prompt token's output is never read, only its KV.
  */
 #include <stdint.h>
 #include <string.h>
@@ -149,13 +151,36 @@ static void write_prompt_kv(const struct segment *S, const uint16_t *qkv, int64_
         }
 }
 
+/* Prompt attention of tokens [t, t + n) of prompt segment S (token t at slot S->start + t
+ * - S->token_start) into s->attn: the tiled loop, or the one-query loop where the tiled one
+ * does not take the shape. Either gives each query the bits it has in any piece of its
+ * prompt (prompt_attention.c), so a piece of a segment is attended as in the whole. */
+static int attend_prompt(const struct kernels *kn, const struct layer *L,
+                         const struct segment *S, const struct scratch *s, const uint16_t *k,
+                         const uint16_t *v, int64_t qc, int64_t kvh, int64_t dim, int64_t t,
+                         int64_t n) {
+    const int64_t heads = qc / dim, start = S->start + t - S->token_start;
+    int status = -1;
+    if (S->rows >= kn->tiled_min_tokens && kn->prompt_tiled)
+        status = kn->prompt_tiled(s->q_rows + t * qc, k, v, s->attn + t * qc, start, n, heads,
+                                  kvh, dim, S->head_stride, L->scaling, L->window);
+    if (status == -1)
+        status = kn->prompt(s->q_rows + t * qc, k, v, s->attn + t * qc, start, n, heads, kvh,
+                            dim, S->head_stride, L->scaling, L->window);
+    return status;
+}
+
 /* hidden [tokens, hidden] (bfloat16, updated in place) through `count` decoder layers:
  * cos, sin [tokens, dim]; k_ptrs / v_ptrs [count][segments] each segment's KV buffer of
- * that layer from its (first) row on. Returns 0, or the first kernel's non-zero status. */
+ * that layer from its (first) row on. keep (NULL: every row) lists, ascending, the nkeep
+ * rows whose last-layer states the caller reads: those end in hidden's first nkeep rows (in
+ * that order, with the bits they have when every row runs), the others' last layer is left
+ * out but for its keys and values. Returns 0, or the first kernel's non-zero status. */
 int step_layers(const struct kernels *kn, const struct shape *sh, const struct layer *layers,
-                  int64_t count, uint16_t *hidden, int64_t tokens, const uint16_t *cos,
-                  const uint16_t *sin, const struct segment *segments, int64_t nseg,
-                  uint16_t *const *k_ptrs, uint16_t *const *v_ptrs, const struct scratch *s) {
+                int64_t count, uint16_t *hidden, int64_t tokens, const uint16_t *cos,
+                const uint16_t *sin, const struct segment *segments, int64_t nseg,
+                uint16_t *const *k_ptrs, uint16_t *const *v_ptrs, const struct scratch *s,
+                const int64_t *keep, int64_t nkeep) {
     const int64_t H = sh->hidden, heads = sh->heads, kvh = sh->kv_heads, dim = sh->dim;
     const int64_t qc = heads * dim, kc = kvh * dim, width = qc + 2 * kc, inter = sh->inter;
     for (int64_t l = 0; l < count; l++) {
@@ -173,6 +198,10 @@ int step_layers(const struct kernels *kn, const struct shape *sh, const struct l
             if (segments[g].kind == 1)
                 write_prompt_kv(&segments[g], s->qkv, width, qc, kc, kvh, dim,
                                 k_ptrs[l * nseg + g], v_ptrs[l * nseg + g]);
+        /* the last layer's states are read only at the kept rows: a prompt's other
+         * tokens need this layer's keys and values (written above), not its attention,
+         * output product or MLP */
+        const int pruned = l == count - 1 && keep && nkeep < tokens;
         for (int64_t g = 0; g < nseg; g++) {
             const struct segment *S = &segments[g];
             const int64_t a = S->token_start;
@@ -182,19 +211,33 @@ int step_layers(const struct kernels *kn, const struct shape *sh, const struct l
                                     S->rows, heads, kvh, dim, S->row_stride, S->head_stride,
                                     L->scaling, L->window, S->max_end, s->qkv + a * width + qc,
                                     s->qkv + a * width + qc + kc, width, dim);
-            } else {
-                status = -1;
-                if (S->rows >= kn->tiled_min_tokens && kn->prompt_tiled)
-                    status = kn->prompt_tiled(s->q_rows + a * qc, k, v, s->attn + a * qc,
-                                              S->start, S->rows, heads, kvh, dim,
-                                              S->head_stride, L->scaling, L->window);
-                if (status == -1)
-                    status = kn->prompt(s->q_rows + a * qc, k, v, s->attn + a * qc, S->start,
-                                        S->rows, heads, kvh, dim, S->head_stride, L->scaling,
-                                        L->window);
+            } else if (!pruned) {
+                status = attend_prompt(kn, L, S, s, k, v, qc, kvh, dim, a, S->rows);
+            } else { /* each run of kept tokens inside the prompt */
+                status = 0;
+                for (int64_t i = 0; i < nkeep && !status; i++) {
+                    if (keep[i] < a || keep[i] >= a + S->rows)
+                        continue;
+                    int64_t run = 1;
+                    while (i + run < nkeep && keep[i + run] == keep[i] + run
+                           && keep[i + run] < a + S->rows)
+                        run++;
+                    status = attend_prompt(kn, L, S, s, k, v, qc, kvh, dim, keep[i], run);
+                    i += run - 1;
+                }
             }
             if (status)
                 return status;
+        }
+        if (pruned) { /* the kept rows moved to the front, in order (keep[i] >= i) */
+            for (int64_t i = 0; i < nkeep; i++)
+                if (keep[i] != i) {
+                    memcpy(hidden + i * H, hidden + keep[i] * H, (size_t)H * 2);
+                    memcpy(s->attn + i * qc, s->attn + keep[i] * qc, (size_t)qc * 2);
+                }
+            tokens = nkeep;
+            if (!tokens)
+                return 0;
         }
         if ((status = product_add(kn, s->attn, L->o, L->o_bias, hidden, s->product, tokens, H,
                                   qc)))

@@ -69,8 +69,8 @@ class _Segment(ctypes.Structure):
                 ("start", _I), ("row_stride", _I), ("head_stride", _I), ("ends", _P)]
 
 
-FUNCTIONS = {"step_layers": ([_P, _P, _P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P],
-                                ctypes.c_int)}
+FUNCTIONS = {"step_layers": ([_P, _P, _P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _I],
+                             ctypes.c_int)}
 _SCRATCH = ("normed", "qkv", "q_rows", "attn", "product", "gate_up", "act")
 
 
@@ -252,11 +252,13 @@ class StepLayers:
                    and seg.group.keys[0].shape[1] == self._shape.kv_heads
                    for seg in batch.segments)
 
-    def forward(self, batch, hidden: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                rows: list[int] | None = None) -> torch.Tensor:
         """hidden [1, tokens, hidden] (the embeddings; not changed) through every layer,
         each segment's new keys and values written to its group; returns the last layer's
-        hidden states [1, tokens, hidden]. Call only where `takes`."""
+        hidden states [1, tokens, hidden], or with `rows` (token indices, strictly
+        ascending) those rows' [1, len(rows), hidden] only: the other tokens' last layer
+        then stops after its keys and values. Call only where `takes`."""
         from worker_service.packed_batch import DecodeSegment
 
         windows = tuple(spec.window or 0 for spec in batch.layers) if batch.layers else ()
@@ -289,11 +291,20 @@ class StepLayers:
         buffers = {name: torch.empty(tokens, width, dtype=torch.bfloat16)
                    for name, width in self._scratch_widths.items()}
         scratch = _Scratch(*(buffers[name].data_ptr() for name in _SCRATCH))
+        keep = None
+        if rows is not None:
+            if any(b <= a for a, b in zip(rows, rows[1:])) or (rows and not (
+                    0 <= rows[0] and rows[-1] < tokens)):
+                raise ValueError(f"rows must be strictly ascending token indices below "
+                                 f"{tokens}, not {rows}")
+            keep = (ctypes.c_int64 * len(rows))(*rows)
         status = library().step_layers(
             ctypes.byref(self._kernels), ctypes.byref(sh), self._layers, self._count,
             out.data_ptr(), tokens, c.data_ptr(), s.data_ptr(), c_segs, nseg, k_ptrs, v_ptrs,
-            ctypes.byref(scratch))
+            ctypes.byref(scratch), keep, 0 if rows is None else len(rows))
         if status != 0:
             raise ValueError(f"the C step layers refused a step of {tokens} rows "
                              f"(status {status}); set {SWITCH}=0 and report it")
+        if rows is not None:
+            return out[:len(rows)].view(1, len(rows), sh.hidden)
         return out.view(1, tokens, sh.hidden)
