@@ -227,10 +227,10 @@ class Engine:
         t = time.perf_counter()
         # The states read are the sampled tokens' (the forward may then skip the last
         # layer of the rest but for its KV), unless contrastive search keeps a prompt's
-        # states or scores a tree's candidates.
+        # states or scores a tree's candidates. _pack appends sampled rows as it adds their
+        # segments, so their token indices ascend, as the forward requires.
         index = [s.token_index for s in fwd.sampled]
-        whole = (fwd.trees or any(p.seq.contrastive for p in fwd.prefills)
-                 or any(b <= a for a, b in zip(index, index[1:])))
+        whole = fwd.trees or any(p.seq.contrastive for p in fwd.prefills)
         hidden = self.runner.forward(fwd.batch, None if whole else index)
         sampled = hidden[index] if whole else hidden
         logits = self.runner.logits(sampled) if fwd.sampled else None
