@@ -244,6 +244,43 @@ static inline int64_t first_seen(int64_t end, int64_t window) {
     return window > 0 && end > window ? end - window : 0;
 }
 
+/* One tile: tokens [t0, t1) of kv head h with its `group` query heads, PASS_ROWS rows at a
+ * time: a pass's scores, softmax and values one after another, so that its scores and
+ * probabilities (a few KiB) are still in L1 when read back, over the slots up to the
+ * pass's last query only (the slots after it would add exact zeros). */
+static void attend_tile(const uint16_t *q, uint16_t *out, const uint32_t *kp,
+                        const uint32_t *vp, int64_t base, int64_t start, int64_t t0,
+                        int64_t t1, int64_t h, int64_t heads, int64_t group, int64_t dim,
+                        float scale, int64_t window, float *s, uint16_t *p) {
+    const int64_t first0 = start + t0 + 1 - window;
+    const int64_t lo = window > 0 && first0 > 0 ? first0 / 32 * 32 : 0;
+    const int64_t rows = (t1 - t0) * group;
+    const uint32_t *kt = kp + (lo - base) * dim / 2, *vt = vp + (lo - base) * dim / 2;
+    for (int64_t r0 = 0; r0 < rows; r0 += PASS_ROWS) {
+        const int nr = rows - r0 >= PASS_ROWS ? PASS_ROWS : (int)(rows - r0);
+        const int64_t last = start + t0 + (r0 + nr - 1) / group + 1;
+        const int64_t n = (last + 31) / 32 * 32 - lo;
+        const uint16_t *qr[PASS_ROWS], *pr[PASS_ROWS];
+        float *sr[PASS_ROWS], inv[PASS_ROWS];
+        uint16_t *o[PASS_ROWS];
+        for (int r = 0; r < nr; r++) {
+            const int64_t row = r0 + r;
+            qr[r] = q + head_row(row, t0, h, heads, group) * dim;
+            o[r] = out + head_row(row, t0, h, heads, group) * dim;
+            sr[r] = s + r * n;
+            pr[r] = p + r * n;
+        }
+        scores_rows(qr, nr, kt, n / 16, dim, scale, sr);
+        for (int r = 0; r < nr; r++) {
+            const int64_t e = start + t0 + (r0 + r) / group + 1;
+            inv[r] = softmax_row(sr[r], p + r * n, n, lo, first_seen(e, window), e,
+                                 1.f); /* scaled */
+        }
+        values_rows(pr, nr, vt, n / 2, dim, inv, o);
+    }
+}
+
+#ifdef HAVE_AMX
 /* row_fn for a tile's rows (row stride n): row r is a query of the token at slot
  * first_slot + r / group, which sees up to its own slot, the last `window` slots when set;
  * inv[r] = 1 / its sum. */
@@ -256,43 +293,6 @@ static void softmax_rows(softmax_row_fn row_fn, float *s, uint16_t *p, float *in
     }
 }
 
-/* One tile: tokens [t0, t1) of kv head h with its `group` query heads. */
-static void attend_tile(const uint16_t *q, uint16_t *out, const uint32_t *kp,
-                        const uint32_t *vp, int64_t base, int64_t start, int64_t t0,
-                        int64_t t1, int64_t h, int64_t heads, int64_t group, int64_t dim,
-                        float scale, int64_t window, float *s, uint16_t *p) {
-    const int64_t end = start + t1, first0 = start + t0 + 1 - window;
-    const int64_t lo = window > 0 && first0 > 0 ? first0 / 32 * 32 : 0;
-    const int64_t n = (end + 31) / 32 * 32 - lo, rows = (t1 - t0) * group;
-    const uint32_t *kt = kp + (lo - base) * dim / 2, *vt = vp + (lo - base) * dim / 2;
-    float inv[TILE_ROWS];
-    for (int64_t r0 = 0; r0 < rows; r0 += PASS_ROWS) {
-        const int nr = rows - r0 >= PASS_ROWS ? PASS_ROWS : (int)(rows - r0);
-        const uint16_t *qr[PASS_ROWS];
-        float *sr[PASS_ROWS];
-        for (int r = 0; r < nr; r++) {
-            const int64_t row = r0 + r;
-            qr[r] = q + head_row(row, t0, h, heads, group) * dim;
-            sr[r] = s + row * n;
-        }
-        scores_rows(qr, nr, kt, n / 16, dim, scale, sr);
-    }
-    softmax_rows(softmax_row, s, p, inv, rows, n, lo, start + t0, group, window,
-                 1.f); /* scaled */
-    for (int64_t r0 = 0; r0 < rows; r0 += PASS_ROWS) {
-        const int nr = rows - r0 >= PASS_ROWS ? PASS_ROWS : (int)(rows - r0);
-        const uint16_t *pr[PASS_ROWS];
-        uint16_t *o[PASS_ROWS];
-        for (int r = 0; r < nr; r++) {
-            const int64_t row = r0 + r;
-            pr[r] = p + row * n;
-            o[r] = out + head_row(row, t0, h, heads, group) * dim;
-        }
-        values_rows(pr, nr, vt, n / 2, dim, inv + r0, o);
-    }
-}
-
-#ifdef HAVE_AMX
 #define AMX_TILE_ROWS 64 /* (token, head) rows per tile: two groups of 32 (two 16-row A
                           * tiles each) */
 
@@ -680,18 +680,18 @@ int prompt_attention_tiled_bf16(const uint16_t *q, const uint16_t *k, const uint
         return -2;
     uint32_t *vp = kp + kv_heads * per_head;
     const int64_t tiles = (tokens + tile - 1) / tile;
-    /* Packed on one thread (about 2% of the tiles' work at 2000 tokens): packing on the
-     * team would need a barrier before the tiles, and under load (the scheduler shares
-     * the cores) every barrier can wait a whole time slice for a descheduled thread. */
-    for (int64_t u = 0; u < kv_heads * blocks; u++) {
-        const int64_t h = u / blocks, b = u % blocks;
-        pack_block(k + h * head_stride, v + h * head_stride,
-                   kp + h * per_head + b * 8 * dim, vp + h * per_head + b * 8 * dim,
-                   base + b * 16, end, dim);
-    }
     int status = 0;
 #pragma omp parallel if (tokens * heads >= 2 * MIN_PAIRS_PER_THREAD)
     {
+        /* Packed by the team: one thread alone left the other waiting, 4-13% of a call
+         * of 64-316 tokens. */
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < kv_heads * blocks; u++) {
+            const int64_t h = u / blocks, b = u % blocks;
+            pack_block(k + h * head_stride, v + h * head_stride,
+                       kp + h * per_head + b * 8 * dim, vp + h * per_head + b * 8 * dim,
+                       base + b * 16, end, dim);
+        }
         const size_t cells = (size_t)tile_rows * (size_t)(span + 32);
 #ifdef HAVE_AMX
         int configured = 0; /* the AMX rows this thread's tiles are set for */
