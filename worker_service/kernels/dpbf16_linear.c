@@ -197,18 +197,6 @@ tile(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t second, int64_t k
         TILE_ANY_ROWS(0, HOW)                                                  \
     }
 
-/* The calling thread's share of `blocks` column blocks, [*lo, *hi): one contiguous range
- * per thread of the team, so each streams its own weights once. */
-static inline void thread_blocks(int64_t blocks, int64_t *lo, int64_t *hi) {
-    int64_t t = 0, threads = 1;
-#ifdef _OPENMP
-    t = omp_get_thread_num();
-    threads = omp_get_num_threads();
-#endif
-    *lo = blocks * t / threads;
-    *hi = blocks * (t + 1) / threads;
-}
-
 /* Rounds tile sums acc [rows mr][16] (float32, plus bias) to bfloat16 in y's 16
  * columns from c (masked at n): the tile loops' epilogue. With `add`, y's values are
  * added to instead, bfloat16(y + the rounded product), as torch adds two bfloat16
@@ -221,11 +209,18 @@ static inline void store_rows(const float *acc, int mr, const uint16_t *bias, ui
         store_sums16(_mm512_loadu_ps(acc + m * 16), bv, mask, y + m * n + c, add);
 }
 
-/* The dot-instruction loop: x's rows times p into y as `how` says. Its units are groups of
- * up to NB blocks (16 columns each) of y, or for SILU (n = inter, a multiple of 32) the
- * 32 columns j.. of the SiLU gate product, made of gate blocks j / 16, j / 16 + 1 and their
- * up blocks inter / 16 blocks on. Each thread takes one contiguous range of units and
- * streams their weights once, every row tile reusing a unit's weights from cache. */
+/* Rows of x in one unit of the dot loop's shares (a multiple of MR): small enough that a
+ * thread done with its own share finds some of a slower one's left to take. */
+#define DOT_CHUNK_ROWS 192
+
+/* The dot-instruction loop: x's rows times p into y as `how` says. Its column units are
+ * groups of up to NB blocks (16 columns each) of y, or for SILU (n = inter, a multiple of
+ * 32) the 32 columns j.. of the SiLU gate product, made of gate blocks j / 16, j / 16 + 1
+ * and their up blocks inter / 16 blocks on. Thread t's share (shares.h) is the groups of
+ * its contiguous range of columns, each over DOT_CHUNK_ROWS rows at a time, group by
+ * group: it streams its weights once, every row tile reusing a group's weights from
+ * cache, as a static split does; and a thread done with its share takes the last units
+ * left in another's, where a static split leaves it waiting at the barrier. */
 static void linear_dot(const uint16_t *x, const uint16_t *p, const uint16_t *bias, uint16_t *y,
                        int64_t rows, int64_t n, int64_t k2, int64_t xs, enum epilogue how,
                        const float *silu) {
@@ -235,31 +230,48 @@ static void linear_dot(const uint16_t *x, const uint16_t *p, const uint16_t *bia
     const int64_t unit_blocks = silu_units ? 2 : 1, step = silu_units ? 1 : NB;
     const int64_t blocks = (n + 16 * unit_blocks - 1) / (16 * unit_blocks);
     const int64_t second = silu_units ? n / 16 * block : 2 * block;
-#pragma omp parallel if (rows * n * 2 * k2 >= 65536)
-    {
-        int64_t lo, hi;
-        thread_blocks(blocks, &lo, &hi);
-        for (int64_t b0 = lo; b0 < hi; b0 += step) {
-            const int nbk = silu_units ? 4 : (int)(hi - b0 < NB ? hi - b0 : NB);
-            const uint16_t *pb = p + b0 * unit_blocks * block;
-            const int64_t col0 = b0 * unit_blocks * 16;
-            const int64_t next = b0 + step < hi ? b0 + step : hi;
-            const int64_t next_blocks = silu_units ? (next < hi ? 4 : 0)
-                                                   : (hi - next < NB ? hi - next : NB);
-            for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-                const int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
-                const uint16_t *xr = x + r0 * xs;
-                uint16_t *yr = y + r0 * n;
-                const struct ahead ahead = {p + next * unit_blocks * block, second,
-                                            next_blocks, r0 / MR, tiles};
-                /* a runtime epilogue cost the store loop 5-10% (2048 rows) */
-                if (how == STORE) {
-                    TILE_ANY(STORE)
-                } else if (how == ADD) {
-                    TILE_ANY(ADD)
-                } else {
-                    TILE_ANY(SILU)
-                }
+    const int64_t chunks = (rows + DOT_CHUNK_ROWS - 1) / DOT_CHUNK_ROWS;
+    const int parallel = rows * n * 2 * k2 >= 65536;
+    struct shares shares;
+    const int64_t threads = shares_threads(shares_team(parallel));
+    /* thread t: blocks [blocks t / threads, blocks (t + 1) / threads) in groups of `step`,
+     * each group's chunks in row order; units numbered on from the previous thread's */
+    int64_t first_unit[SHARES_MAX_THREADS + 1];
+    shares.threads = threads;
+    first_unit[0] = 0;
+    for (int64_t t = 0; t < threads; t++) {
+        const int64_t lo = blocks * t / threads, hi = blocks * (t + 1) / threads;
+        first_unit[t + 1] = first_unit[t] + (hi - lo + step - 1) / step * chunks;
+        shares_set(&shares, t, first_unit[t], first_unit[t + 1]);
+    }
+#pragma omp parallel if (parallel)
+    for (int64_t unit; (unit = shares_next(&shares)) >= 0;) {
+        int64_t t = 0; /* whose share the unit is in */
+        while (unit >= first_unit[t + 1])
+            t++;
+        const int64_t hi = blocks * (t + 1) / threads, u = unit - first_unit[t];
+        const int64_t b0 = blocks * t / threads + u / chunks * step;
+        const int64_t r_lo = u % chunks * DOT_CHUNK_ROWS;
+        const int64_t r_hi = rows - r_lo < DOT_CHUNK_ROWS ? rows : r_lo + DOT_CHUNK_ROWS;
+        const int nbk = silu_units ? 4 : (int)(hi - b0 < NB ? hi - b0 : NB);
+        const uint16_t *pb = p + b0 * unit_blocks * block;
+        const int64_t col0 = b0 * unit_blocks * 16;
+        const int64_t next = b0 + step < hi ? b0 + step : hi;
+        const int64_t next_blocks = silu_units ? (next < hi ? 4 : 0)
+                                               : (hi - next < NB ? hi - next : NB);
+        for (int64_t r0 = r_lo; r0 < r_hi; r0 += MR) {
+            const int mr = (int)(r_hi - r0 < MR ? r_hi - r0 : MR);
+            const uint16_t *xr = x + r0 * xs;
+            uint16_t *yr = y + r0 * n;
+            const struct ahead ahead = {p + next * unit_blocks * block, second, next_blocks,
+                                        r0 / MR, tiles};
+            /* a runtime epilogue cost the store loop 5-10% (2048 rows) */
+            if (how == STORE) {
+                TILE_ANY(STORE)
+            } else if (how == ADD) {
+                TILE_ANY(ADD)
+            } else {
+                TILE_ANY(SILU)
             }
         }
     }
