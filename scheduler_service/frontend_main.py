@@ -18,6 +18,7 @@ from scheduler_service.remote_core import RemoteCore
 from seqserve_common import control_auth, tls
 from seqserve_common.command_line import process_arguments, run_and_exit, write_port_file
 from seqserve_common.config import ConfigError, ServingConfig
+from seqserve_common.startup_gc import freeze_startup_objects
 
 logger = logging.getLogger("seqserve.frontend")
 PARENT_POLL_S = 0.5
@@ -58,6 +59,7 @@ async def serve(cfg: ServingConfig, core_address: str, index: int, port_file: st
     frontend.state = make_serving_state(core, tokenizer, connected.result(), cfg)
     core.on_ready_change = lambda ready: asyncio.ensure_future(
         public.set_ready(ready and not frontend.draining))
+    freeze_startup_objects()
     await public.set_ready(core.ready)
     logger.info("front end %d ready on gRPC %d (core %s)", index, public.ports["grpc"],
                 core_address)

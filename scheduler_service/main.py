@@ -25,6 +25,7 @@ from scheduler_service.worker_pool import WorkerPool
 from seqserve_common import control_auth, tls
 from seqserve_common.command_line import process_arguments, run_and_exit, write_port_file
 from seqserve_common.config import ConfigError, ServingConfig
+from seqserve_common.startup_gc import freeze_startup_objects
 
 logger = logging.getLogger("seqserve.scheduler")
 
@@ -113,6 +114,7 @@ async def serve(cfg: ServingConfig, port_file: str | None,
     if ready.done():
         if not split:
             frontend.state = make_serving_state(workers, tokenizer, ready.result(), cfg)
+        freeze_startup_objects()
         on_ready_change(workers.ready)
         logger.info("ready: connect to %s:%d (seqserve.v1.Generation)", cfg.host, ports["grpc"])
         await stopped

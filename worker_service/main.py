@@ -20,6 +20,7 @@ from seqserve_common.command_line import process_arguments, run_and_exit, write_
 from seqserve_common.config import ConfigError
 from seqserve_common.control_auth import ControlTokenInterceptor, control_token
 from seqserve_common.control_channel import GRPC_MESSAGE_OPTIONS
+from seqserve_common.startup_gc import freeze_startup_objects
 from seqserve_common.tls import worker_tls
 from worker_service import tensor_parallel as tp
 
@@ -75,6 +76,7 @@ def follower_main(cfg, me: tp.Rank, device: str) -> int:
                                         cfg.prompt_cache_block_tokens),
                     swap=swap_space(cfg.swap_space_bytes, runner.device),
                     arena=kv_arena(cfg, runner.device))
+    freeze_startup_objects()
     code = follow(engine)
     logger.info("rank %d exits (%d)", me.rank, code)
     return code
@@ -249,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     if degree > 1:
         threading.Thread(target=engine.keep_alive, args=(compute.submit, stop_lease),
                          name="tp-heartbeat", daemon=True).start()
+    freeze_startup_objects()
     for name in health_names.readiness_names(SERVICE_NAME):
         health_servicer.set(name, health_names.SERVING)
     logger.info("worker ready: %s on %s, %d KV tokens%s", cfg.model_id, device,
