@@ -12,9 +12,11 @@
  *   vp [kv_heads][slot pair][dim]                        (a 32-bit lane: 2 slots)
  *
  * Rounding: query-key products are exact bfloat16 products summed in float32 (as the
- * one-query loop); scores, maximum and sum stay float32; the probabilities are rounded to
- * bfloat16 before the product with the values (as eager transformers and SDPA's CPU
- * kernel do in bfloat16), and the output is divided by the float32 sum.
+ * one-query loop); scores, maximum and sum stay float32, the exponential is 2^x by a
+ * degree-5 fit and vscalefps (within 1.1e-7, half the instructions of exp's Taylor
+ * series); the probabilities are rounded to bfloat16 before the product with the values
+ * (as eager transformers and SDPA's CPU kernel do in bfloat16), and the output is divided
+ * by the float32 sum.
  *
  * Each query's numbers depend only on its own slot, the row's keys and values and the
  * absolute slot blocks (tiles start on multiples of 32 slots; slots a query does not see
@@ -34,8 +36,7 @@
  * probabilities the A tiles; tiles of up to 64 (token, head) rows in groups of 32 (two A
  * tiles times two B tiles: each tile load feeds two products). The same exact products are
  * summed in float32 in the same order per query, rounded otherwise than the dot
- * instruction in the last bits, and the softmax takes a shorter exponential (2^x through
- * vscalefps, within 1.1e-7): once enabled, every prompt piece takes the tiles. Heads of up
+ * instruction in the last bits: once enabled, every prompt piece takes the tiles. Heads of up
  * to 64 dimensions (most small models) go 16 rows at a time through attend_rows_amx
  * instead: one pass over the slots, scores and probabilities kept in L1, probabilities
  * scaled by the row's first slots rather than its maximum (see there); as accurate, other
@@ -103,10 +104,10 @@ static inline int64_t head_row(int64_t row, int64_t t0, int64_t h, int64_t heads
 #define PASS_ROWS 6
 
 /* Scores of nr (<= PASS_ROWS) query rows against blocks b0 .. b0 + nb - 1 of 16 slots:
- * s[r][slot] = scale * q_r . k_slot, the pairs summed in order. */
+ * s[r][slot] = q_r . k_slot, the pairs summed in order (softmax_row scales them). */
 static inline __attribute__((always_inline)) void
 scores_blocks(const uint16_t *const *qr, const int nr, const uint32_t *kp, int64_t b0,
-              const int nb, const int64_t dim, __m512 sv, float *const *s) {
+              const int nb, const int64_t dim, float *const *s) {
     const int64_t pairs = dim / 2;
     const uint32_t *k0 = kp + b0 * pairs * 16;
     __m512 acc[PASS_ROWS][4];
@@ -125,40 +126,42 @@ scores_blocks(const uint16_t *const *qr, const int nr, const uint32_t *kp, int64
     }
     for (int r = 0; r < nr; r++)
         for (int c = 0; c < nb; c++)
-            _mm512_storeu_ps(s[r] + (b0 + c) * 16, _mm512_mul_ps(acc[r][c], sv));
+            _mm512_storeu_ps(s[r] + (b0 + c) * 16, acc[r][c]);
 }
 
 /* Scores of nr rows against `blocks` (even) blocks of 16 slots, four at a time. */
 static inline __attribute__((always_inline)) void
 scores_nr(const uint16_t *const *qr, const int nr, const uint32_t *kp, int64_t blocks,
-          const int64_t dim, float scale, float *const *s) {
-    const __m512 sv = _mm512_set1_ps(scale);
+          const int64_t dim, float *const *s) {
     int64_t b = 0;
     for (; b + 4 <= blocks; b += 4)
-        scores_blocks(qr, nr, kp, b, 4, dim, sv, s);
+        scores_blocks(qr, nr, kp, b, 4, dim, s);
     if (b < blocks)
-        scores_blocks(qr, nr, kp, b, 2, dim, sv, s);
+        scores_blocks(qr, nr, kp, b, 2, dim, s);
 }
 
-/* FN(rows, N, packed, count, dim, a, b) with the row count N = nr (1 .. PASS_ROWS) a
+/* FN(rows, N, packed, count, dim, ...) with the row count N = nr (1 .. PASS_ROWS) a
  * constant, and dim too where it is the common 64. */
-#define ROW_CASE(FN, N, R, K, C, D, A, B)                                      \
+#define ROW_CASE(FN, N, R, K, C, D, ...)                                       \
     case N:                                                                    \
         if ((D) == 64)                                                         \
-            FN(R, N, K, C, 64, A, B);                                          \
+            FN(R, N, K, C, 64, __VA_ARGS__);                                   \
         else                                                                   \
-            FN(R, N, K, C, D, A, B);                                           \
+            FN(R, N, K, C, D, __VA_ARGS__);                                    \
         break;
-#define ROWS_CONSTANT(FN, R, NR, K, C, D, A, B)                                \
+#define ROWS_CONSTANT(FN, R, NR, K, C, D, ...)                                 \
     switch (NR) {                                                              \
-        ROW_CASE(FN, 6, R, K, C, D, A, B) ROW_CASE(FN, 5, R, K, C, D, A, B)    \
-        ROW_CASE(FN, 4, R, K, C, D, A, B) ROW_CASE(FN, 3, R, K, C, D, A, B)    \
-        ROW_CASE(FN, 2, R, K, C, D, A, B) ROW_CASE(FN, 1, R, K, C, D, A, B)    \
+        ROW_CASE(FN, 6, R, K, C, D, __VA_ARGS__)                               \
+        ROW_CASE(FN, 5, R, K, C, D, __VA_ARGS__)                               \
+        ROW_CASE(FN, 4, R, K, C, D, __VA_ARGS__)                               \
+        ROW_CASE(FN, 3, R, K, C, D, __VA_ARGS__)                               \
+        ROW_CASE(FN, 2, R, K, C, D, __VA_ARGS__)                               \
+        ROW_CASE(FN, 1, R, K, C, D, __VA_ARGS__)                               \
     }
 
 static void scores_rows(const uint16_t *const *qr, int nr, const uint32_t *kp, int64_t blocks,
-                        int64_t dim, float scale, float *const *s) {
-    ROWS_CONSTANT(scores_nr, qr, nr, kp, blocks, dim, scale, s)
+                        int64_t dim, float *const *s) {
+    ROWS_CONSTANT(scores_nr, qr, nr, kp, blocks, dim, s)
 }
 
 /* out rows (nr <= PASS_ROWS) = p_r . v over `pairs` slot pairs (summed in order), divided
@@ -204,39 +207,51 @@ static inline __mmask16 lane_mask(int64_t i, int64_t from, int64_t to) {
     return b <= a ? 0 : (__mmask16)(((1u << b) - 1) & ~((1u << a) - 1));
 }
 
-/* Row r's scores s[0, n) (slots lo + i) times `scale` -> bfloat16 probabilities p
- * (unnormalized, zero outside [first, end)); returns 1 / their float32 sum. */
-static float softmax_row(float *s, uint16_t *p, int64_t n, int64_t lo, int64_t first,
-                         int64_t end, float scale) {
-    const int64_t a = first - lo, b = end - lo; /* the row's slots: [a, b) of s */
-    const __m512 sv = _mm512_set1_ps(scale), none = _mm512_set1_ps(-INFINITY);
-    __m512 best = none;
-    for (int64_t i = 0; i < n; i += 16) {
-        __m512 x = _mm512_loadu_ps(s + i);
-        const int scaled = scale != 1.f; /* the dot loop scaled them as it stored them */
-        if (scaled)
-            x = _mm512_mul_ps(x, sv);
-        if (i < a || i + 16 > b) { /* masked after scaling: -inf whatever the scale */
-            x = _mm512_mask_blend_ps(lane_mask(i, a, b), none, x);
-            _mm512_storeu_ps(s + i, x);
-        } else if (scaled) {
-            _mm512_storeu_ps(s + i, x);
-        }
-        best = _mm512_max_ps(best, x);
-    }
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+/* 2^t for finite t <= 0 (up to a rounding above); 0 far below. A degree-5 fit of 2^f on
+ * [-1/2, 1/2] (relative error 1.1e-7) scaled by 2^n, n = t rounded (vscalefps underflows
+ * to 0 where 2^n is out of range): about half of exp_le0's instructions. */
+static inline __m512 exp2_le0(__m512 t) {
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.32647227e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.67151299e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55073358e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40222424e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147004e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* A row's unscaled scores s[0, n) (slots lo + i; n a multiple of 32, every score finite:
+ * slots past the row's last hold packed zeros or keys) -> bfloat16 probabilities p: the
+ * maximum over the row's slots [first, end) read without a store, then 2^(c * score - c *
+ * max), c = scale / ln 2 (scale > 0), rounded to bfloat16 two vectors at a time, 0
+ * outside the row's slots (so a row's numbers do not depend on n). Returns 1 / their
+ * float32 sum. */
+static float softmax_row(const float *s, uint16_t *p, int64_t n, int64_t lo,
+                             int64_t first, int64_t end, float scale) {
+    const int64_t from = first - lo, to = end - lo;
+    const float c = scale * 1.44269504f;
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = from / 16 * 16; i < to; i += 16)
+        best = _mm512_mask_max_ps(best, lane_mask(i, from, to), best, _mm512_loadu_ps(s + i));
+    const __m512 cv = _mm512_set1_ps(c), top = _mm512_set1_ps(_mm512_reduce_max_ps(best) * c);
     __m512 total = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) {
-        const __m512 e = exp_le0(_mm512_sub_ps(_mm512_loadu_ps(s + i), top));
-        total = _mm512_add_ps(total, e);
-        _mm256_storeu_si256((__m256i *)(p + i), (__m256i)_mm512_cvtneps_pbh(e));
+    for (int64_t i = 0; i < n; i += 32) {
+        __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
+        if (i + 32 > from && i < to) {
+            e0 = exp2_le0(_mm512_fmsub_ps(_mm512_loadu_ps(s + i), cv, top));
+            e1 = exp2_le0(_mm512_fmsub_ps(_mm512_loadu_ps(s + i + 16), cv, top));
+            if (i < from || i + 32 > to) {
+                e0 = _mm512_maskz_mov_ps(lane_mask(i, from, to), e0);
+                e1 = _mm512_maskz_mov_ps(lane_mask(i + 16, from, to), e1);
+            }
+            total = _mm512_add_ps(total, _mm512_add_ps(e0, e1));
+        }
+        _mm512_storeu_si512(p + i, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
     }
     return 1.f / _mm512_reduce_add_ps(total);
 }
-
-/* One row's softmax: softmax_row, or on the tiles' path softmax_row_amx. */
-typedef float (*softmax_row_fn)(float *s, uint16_t *p, int64_t n, int64_t lo, int64_t first,
-                                int64_t end, float scale);
 
 /* The first slot a query sees whose slots end at `end` (exclusive): the last `window`
  * slots when set, else all from 0. */
@@ -270,26 +285,26 @@ static void attend_tile(const uint16_t *q, uint16_t *out, const uint32_t *kp,
             sr[r] = s + r * n;
             pr[r] = p + r * n;
         }
-        scores_rows(qr, nr, kt, n / 16, dim, scale, sr);
+        scores_rows(qr, nr, kt, n / 16, dim, sr);
         for (int r = 0; r < nr; r++) {
             const int64_t e = start + t0 + (r0 + r) / group + 1;
-            inv[r] = softmax_row(sr[r], p + r * n, n, lo, first_seen(e, window), e,
-                                 1.f); /* scaled */
+            inv[r] = softmax_row(sr[r], p + r * n, n, lo, first_seen(e, window), e, scale);
         }
         values_rows(pr, nr, vt, n / 2, dim, inv, o);
     }
 }
 
 #ifdef HAVE_AMX
-/* row_fn for a tile's rows (row stride n): row r is a query of the token at slot
+/* softmax_row for a tile's rows (row stride n): row r is a query of the token at slot
  * first_slot + r / group, which sees up to its own slot, the last `window` slots when set;
  * inv[r] = 1 / its sum. */
-static void softmax_rows(softmax_row_fn row_fn, float *s, uint16_t *p, float *inv,
+static void softmax_rows(const float *s, uint16_t *p, float *inv,
                          int64_t rows, int64_t n, int64_t lo, int64_t first_slot,
                          int64_t group, int64_t window, float scale) {
     for (int64_t row = 0; row < rows; row++) {
         const int64_t e = first_slot + row / group + 1;
-        inv[row] = row_fn(s + row * n, p + row * n, n, lo, first_seen(e, window), e, scale);
+        inv[row] = softmax_row(s + row * n, p + row * n, n, lo, first_seen(e, window), e,
+                               scale);
     }
 }
 
@@ -299,53 +314,8 @@ static void softmax_rows(softmax_row_fn row_fn, float *s, uint16_t *p, float *in
 /* 1 where Linux granted the tile state: prompts then take attend_tile_amx. */
 int amx_enable(void) { return amx_request(); }
 
-/* 2^t for finite t <= 0 (up to a rounding above); 0 far below. A degree-5 fit of 2^f on
- * [-1/2, 1/2] (relative error 1.1e-7) scaled by 2^n, n = t rounded (vscalefps underflows
- * to 0 where 2^n is out of range): about half of exp_le0's instructions. */
-static inline __m512 exp2_le0(__m512 t) {
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.32647227e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.67151299e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55073358e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40222424e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147004e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* softmax_row for the tiles' unscaled scores s[0, n) (n a multiple of 32, every score
- * finite: slots past the row's last hold packed zeros or keys): the maximum over the
- * row's slots [first, end) read without a store, then 2^(c * score - c * max), c = scale /
- * ln 2 (scale > 0), rounded to bfloat16 two vectors at a time, 0 outside the row's slots.
- * Returns 1 / their float32 sum. s is only read (not const, to share softmax_row_fn). */
-static float softmax_row_amx(float *s, uint16_t *p, int64_t n, int64_t lo,
-                             int64_t first, int64_t end, float scale) {
-    const int64_t from = first - lo, to = end - lo;
-    const float c = scale * 1.44269504f;
-    __m512 best = _mm512_set1_ps(-INFINITY);
-    for (int64_t i = from / 16 * 16; i < to; i += 16)
-        best = _mm512_mask_max_ps(best, lane_mask(i, from, to), best, _mm512_loadu_ps(s + i));
-    const __m512 cv = _mm512_set1_ps(c), top = _mm512_set1_ps(_mm512_reduce_max_ps(best) * c);
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 32) {
-        __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
-        if (i + 32 > from && i < to) {
-            e0 = exp2_le0(_mm512_fmsub_ps(_mm512_loadu_ps(s + i), cv, top));
-            e1 = exp2_le0(_mm512_fmsub_ps(_mm512_loadu_ps(s + i + 16), cv, top));
-            if (i < from || i + 32 > to) {
-                e0 = _mm512_maskz_mov_ps(lane_mask(i, from, to), e0);
-                e1 = _mm512_maskz_mov_ps(lane_mask(i + 16, from, to), e1);
-            }
-            total = _mm512_add_ps(total, _mm512_add_ps(e0, e1));
-        }
-        _mm512_storeu_si512(p + i, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-    }
-    return 1.f / _mm512_reduce_add_ps(total);
-}
-
 /* The unscaled scores of a 32-row group (qbuf: [32][dim] contiguous) against n slots (a
- * multiple of 32) of packed keys kt, into s (row stride n floats; softmax_row_amx scales
+ * multiple of 32) of packed keys kt, into s (row stride n floats; softmax_row scales
  * them). Two 16-row A tiles (4, 5) times two 16-slot key blocks (6, 7), dim / 32 steps:
  * each tile load feeds two products. */
 static void scores_amx(const uint16_t *qbuf, const uint32_t *kt, int64_t n, int64_t dim,
@@ -633,7 +603,7 @@ static void attend_tile_amx(const uint16_t *q, uint16_t *out, const uint32_t *kp
         scores_amx(qbuf, kt, n, dim, s + r0 * n);
     }
     amx_memory_barrier(); /* the softmax reads the scores the tiles stored */
-    softmax_rows(softmax_row_amx, s, p, inv, rows, n, lo, start + t0, group, window, scale);
+    softmax_rows(s, p, inv, rows, n, lo, start + t0, group, window, scale);
     amx_memory_barrier(); /* the tile loads below read p */
     for (int64_t r0 = 0; r0 < rows; r0 += 32) {
         const int mr = rows - r0 >= 32 ? 32 : (int)(rows - r0);
@@ -656,13 +626,16 @@ int prompt_attention_tiled_bf16(const uint16_t *q, const uint16_t *k, const uint
 #ifndef HAVE_AVX512_BF16
     return -1;
 #else
-    if (dim % 32 || dim > MAX_DIM || kv_heads <= 0 || heads % kv_heads || tokens < 0)
+    /* softmax_row scales after its maximum: a scale <= 0 (no model's) takes the
+     * one-query loop */
+    if (dim % 32 || dim > MAX_DIM || kv_heads <= 0 || heads % kv_heads || tokens < 0
+        || !(scale > 0.f))
         return -1;
     if (tokens == 0)
         return 0;
     const int64_t group = heads / kv_heads, end = start + tokens;
 #ifdef HAVE_AMX
-    const int amx = amx_granted && scale > 0.f; /* softmax_row_amx scales after max() */
+    const int amx = amx_granted;
     const int64_t tile_rows = amx ? AMX_TILE_ROWS : TILE_ROWS;
 #else
     const int amx = 0;
