@@ -6,8 +6,11 @@ Work counted (docs/benchmarks.md, "The floor"):
 - compute: the model's linear layers only (fused qkv, o, fused gate/up, down per layer, the
   LM head), 2 * M * K * N FLOPs for M rows, at this CPU's bfloat16 GEMM rate measured at that
   (K, N) and that M (the rate of thin products differs from square ones severalfold, so one
-  peak figure would not do). The LM head runs only for rows that produce a token. Attention's
-  own FLOPs, norms, activations and sampling are not counted: a floor, not an estimate.
+  peak figure would not do). The LM head runs only for rows that produce a token, and so
+  does the last layer after its q/k/v product: a prompt token that yields none needs that
+  layer's keys and values, never its hidden state (seqserve and llama.cpp skip the rest;
+  vLLM does not). Attention's own FLOPs, norms, activations and sampling are not counted:
+  a floor, not an estimate.
 - memory: every step reads all weights once and the KV of every sequence in it (its whole
   context, bfloat16), at the measured memory bandwidth. KV writes are not counted.
 - a step's floor = compute + memory: the two are added, as if no step overlapped its weight
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -99,12 +102,23 @@ class ModelShape:
     def lm_head(self) -> Gemm:
         return self.gemms()[-1]
 
+    def row_gemms(self, rows: int, logit_rows: int) -> list[tuple[Gemm, int]]:
+        """The products a forward of `rows` tokens needs, each with its row count, when
+        `logit_rows` of them yield a token: every layer's q/k/v for every row, the rest of
+        the last layer and the LM head only for the rows that yield a token."""
+        out = []
+        for g in self.layer_gemms():
+            if g.name == "qkv" or g.count < 1:
+                out.append((g, rows))
+                continue
+            out.append((replace(g, count=g.count - 1), rows))
+            out.append((replace(g, count=1), logit_rows))
+        return out + [(self.lm_head(), logit_rows)]
+
     def linear_flops(self, rows: int, logit_rows: int) -> float:
-        """FLOPs of the linear layers for `rows` tokens, `logit_rows` of them through the LM
-        head."""
-        per_row = sum(2 * g.k * g.n * g.count for g in self.layer_gemms())
-        h = self.lm_head()
-        return rows * per_row + logit_rows * 2 * h.k * h.n
+        """FLOPs of the linear layers for `rows` tokens, `logit_rows` of them yielding a
+        token (row_gemms)."""
+        return sum(2 * m * g.k * g.n * g.count for g, m in self.row_gemms(rows, logit_rows))
 
     def weight_bytes(self) -> int:
         """Bytes of weights a forward reads: every linear weight (the LM head once, tied or
@@ -159,10 +173,10 @@ class StepFloor:
 
 def step_floor(shape: ModelShape, rates: MachineRates, rows: int, logit_rows: int,
                kv_tokens: int) -> StepFloor:
-    """One forward step: `rows` tokens through the layers, `logit_rows` through the LM head,
-    `kv_tokens` cached tokens read by attention."""
-    compute = sum(rates.gemm_seconds(g, rows) for g in shape.layer_gemms())
-    compute += rates.gemm_seconds(shape.lm_head(), logit_rows)
+    """One forward step: `rows` tokens through the layers, `logit_rows` of them yielding a
+    token (the last layer's rest and the LM head), `kv_tokens` cached tokens read by
+    attention."""
+    compute = sum(rates.gemm_seconds(g, m) for g, m in shape.row_gemms(rows, logit_rows))
     memory = (shape.weight_bytes() + kv_tokens * shape.kv_bytes_per_token()) / rates.bandwidth
     return StepFloor(compute, memory)
 

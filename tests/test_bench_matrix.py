@@ -39,7 +39,12 @@ def test_shape_fuses_products_and_counts_them_per_layer():
     per_layer = 64 * 256 + 128 * 64 + 64 * 192 + 96 * 64
     assert s.weight_bytes() == 2 * (3 * per_layer + 64 * 500)
     assert s.kv_bytes_per_token() == 2 * 3 * 2 * 32 * 2  # K and V, layers, kv heads, dim, bf16
-    assert s.linear_flops(5, 2) == 5 * 2 * 3 * per_layer + 2 * 2 * 64 * 500
+    # Five rows, two of them yielding a token: the last layer's o, gate/up and down and the
+    # LM head for those two only.
+    rest = 128 * 64 + 64 * 192 + 96 * 64
+    assert s.linear_flops(5, 2) == (5 * 2 * (3 * per_layer - rest) + 2 * 2 * rest
+                                    + 2 * 2 * 64 * 500)
+    assert s.linear_flops(5, 5) == 5 * 2 * (3 * per_layer + 64 * 500)
 
 
 def test_shape_defaults_kv_heads_and_head_dim_and_rejects_other_layouts():

@@ -36,10 +36,6 @@
 #include "amx.h"
 #include "shares.h"
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #define MR 6 /* rows of a register tile */
 #define NB 4 /* 16-column blocks of a register tile: MR x NB = 24 of the 32 registers */
 /* Up to this many rows, the row tiles of a block group fetch the next group's weights
