@@ -15,11 +15,12 @@ from bench.deployment import Deployment
 REPO = Path(__file__).resolve().parents[1]
 MODELS = Path(os.environ.get("SEQSERVE_TEST_MODELS", REPO / "models" / "test"))
 # A CPU worker maps its whole KV budget at start (1.5 x 4 GiB by default) and the prefix
-# cache's 512 MiB in its warm-up; on this project's machines fresh memory faults in at
-# some 200-250 MB/s, 5 s of each worker's start at 512 MiB. So the workers the tests start
-# get 64 MiB of each unless a test sets its own (OPTION_* variables are read by every
-# process; flags win): 32,000 tokens of the generated models (at most 2 KiB a token) and
-# 1,400 of the real SmolLM2 in float32 (45 KiB), more than any of their tests holds.
+# cache's 512 MiB in its warm-up; on this project's machines memory never touched before
+# faults in at some 150-200 MB/s, about 5 s of each worker's start at 512 MiB of each. So
+# the workers the tests start get 64 MiB of each unless a test sets its own (OPTION_*
+# variables are read by every process; flags win): 32,000 tokens of the generated models
+# (at most 2 KiB a token) and 1,400 of the real SmolLM2 in float32 (45 KiB), more than any
+# of their tests holds.
 os.environ.setdefault("OPTION_KV_CACHE_BYTES", str(64 << 20))
 os.environ.setdefault("OPTION_PROMPT_CACHE_BYTES", str(64 << 20))
 ARCHITECTURES = ("llama", "gpt2", "qwen2", "mistral", "gpt_neox", "opt")

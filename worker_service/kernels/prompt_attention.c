@@ -228,8 +228,8 @@ static inline __m512 exp2_le0(__m512 t) {
  * max), c = scale / ln 2 (scale > 0), rounded to bfloat16 two vectors at a time, 0
  * outside the row's slots (so a row's numbers do not depend on n). Returns 1 / their
  * float32 sum. */
-static float softmax_row(const float *s, uint16_t *p, int64_t n, int64_t lo,
-                             int64_t first, int64_t end, float scale) {
+static float softmax_row(const float *s, uint16_t *p, int64_t n, int64_t lo, int64_t first,
+                         int64_t end, float scale) {
     const int64_t from = first - lo, to = end - lo;
     const float c = scale * 1.44269504f;
     __m512 best = _mm512_set1_ps(-INFINITY);
