@@ -5,6 +5,7 @@ does not load, compiles again; SEQSERVE_KERNEL_CACHE=0 compiles every time."""
 from __future__ import annotations
 
 import ctypes
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -112,3 +113,43 @@ def test_every_kernel_source_compiles(source, tmp_path):
                                      kernels / source, tmp_path / "lib.so")
     except subprocess.CalledProcessError as exc:
         pytest.fail(f"{source} does not compile:\n{exc.stderr[-2000:]}")
+
+
+def _kernel_libraries() -> list[tuple[str, dict]]:
+    """(source file name, the functions its loader declares) for every kernel library."""
+    from worker_service.kernels import (bf16_weights, dpbf16_linear, fused_layers, greedy,
+                                        native_attention, step_layers)
+
+    found = [(m.SOURCE.name, m.FUNCTIONS) for m in (bf16_weights, dpbf16_linear, fused_layers,
+                                                    greedy, native_attention, step_layers)]
+    return found + [(native_attention.TILED_SOURCE.name, native_attention.TILED_FUNCTIONS)]
+
+
+# Instruction sets the libraries must build and load for whichever the serving CPU has:
+# x86-64 with SSE2 only, AVX2 (Zen 3 and older), AVX512 with BF16 and no AMX (as Zen 4),
+# AMX (Sapphire Rapids). A function defined only inside one ISA's block leaves the whole library
+# unloadable on the others, and the worker falls back without a test failing elsewhere.
+TARGETS = ("x86-64", "x86-64-v3", "cooperlake", "sapphirerapids")
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction sets")
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_kernel_library_declares_its_functions_on_every_instruction_set(target, tmp_path):
+    """Compiled for `target` (loading needs no such CPU: nothing runs at load), each
+    library has every function its Python loader declares. Unoptimized: the instruction
+    set alone decides which blocks are compiled."""
+    kernels = Path(native_build.__file__).parent
+    given = {"-march=native": f"-march={target}", "-O3": "-O0"}
+    flags = tuple(given.get(f, f) for f in native_build.CFLAGS) + (native_build.OPENMP,)
+    missing = []
+    for source, functions in _kernel_libraries():
+        lib = tmp_path / f"{Path(source).stem}-{target}.so"
+        try:
+            native_build.compile_library(native_build.compiler(), flags, kernels / source, lib)
+        except subprocess.CalledProcessError as exc:
+            if "march" in exc.stderr:
+                pytest.skip(f"this compiler does not know -march={target}")
+            pytest.fail(f"{source} does not compile for {target}:\n{exc.stderr[-2000:]}")
+        loaded = ctypes.CDLL(str(lib))
+        missing += [f"{source}: {name}" for name in functions if not hasattr(loaded, name)]
+    assert not missing, f"built for {target}, these functions are missing: {missing}"

@@ -440,8 +440,6 @@ static void probabilities_amx(const uint16_t *q, const uint16_t *kh, int64_t n,
     for (int g = 0; g < m; g++)
         total[g] = exp_scores(scores + g * stride, n, _mm512_reduce_max_ps(best[g]));
 }
-#else
-int amx_enable(void) { return 0; }
 #endif
 
 /* o[d] = acc[d] * inv as bfloat16, acc held as load32_split lays it out: vector 2c the even
@@ -594,6 +592,10 @@ attend_group_avx512(const uint16_t *q, const uint16_t *kh, const uint16_t *vh, u
         }
     }
 }
+#endif
+#ifndef HAVE_AMX
+/* Without the tile unit (or without AVX512-BF16, which the tile loops need): never granted. */
+int amx_enable(void) { return 0; }
 #endif
 
 /* One query (head) against slots [first, end) of one key/value head, first = end - window
