@@ -8,19 +8,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_service.kernels import bf16_weights, linear_prepack
+from worker_service.kernels import bf16_weights
 
 pytestmark = pytest.mark.skipif(bf16_weights.library() is None,
                                 reason="no C compiler or no AVX2 and FMA on this CPU")
 
 
-@pytest.mark.parametrize("rows", [1, 3, 5, 8, 9, 16, 17, 24, 25, 64, 129])
-@pytest.mark.parametrize("k,n,bias,large", [(576, 960, False, False), (100, 13, True, False),
-                                            (7, 5, True, False), (576, 960, False, True)])
-@pytest.mark.parametrize("copy", [False, True])
-def test_product_equals_the_float32_copys(monkeypatch, rows, k, n, bias, large, copy):
-    if large:  # the output layer's rule: the C loop up to LARGE_WEIGHT_ROWS rows
-        monkeypatch.setattr(bf16_weights, "LARGE_WEIGHT", k * n)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 13, 16, 17, 64, 129])
+@pytest.mark.parametrize("k,n,bias", [(576, 960, False), (100, 13, True), (7, 5, True),
+                                      (64, 48, True), (1536, 40, False)])
+def test_product_equals_the_float32_copys(rows, k, n, bias):
+    """Every row rule (packed tiles up to 8 rows, widened blocks from 9; tiles of 4 and 6
+    rows with their remainders), columns that end inside a block, biases, strided inputs."""
     g = torch.Generator().manual_seed(rows * 1000 + k + n)
     linear = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
     with torch.no_grad():
@@ -29,30 +28,38 @@ def test_product_equals_the_float32_copys(monkeypatch, rows, k, n, bias, large, 
             linear.bias.copy_(torch.randn(n, generator=g))
     # A strided input: every other row of a larger tensor, as a packed batch's slices are.
     x = torch.randn(1, 2 * rows, k, generator=g)[:, ::2]
-    module = bf16_weights.Bf16WeightLinear(linear, copy)
-    assert module.packed == (copy and linear_prepack.runs(torch.float32))
+    module = bf16_weights.Bf16WeightLinear(linear)
     wide, wide_bias = linear.weight.float(), None if not bias else linear.bias.float()
     with torch.inference_mode():
         expected = F.linear(x, wide, wide_bias)
         got = module(x)
     assert got.dtype == torch.float32 and got.shape == expected.shape
-    small = module.large_rows if large else bf16_weights.SMALL_ROWS
-    if rows > small and module.packed:
-        # oneDNN's float32 product over the prepacked copy, bit for bit.
-        with torch.inference_mode():
-            packed = torch.ops.mkldnn._reorder_linear_weight(wide, bf16_weights.PACK_HINT)
-            direct = torch.ops.mkldnn._linear_pointwise(x, packed, wide_bias, "none", [], "")
-        assert torch.equal(got, direct)
-    elif rows > small:
-        assert torch.equal(got, expected)  # torch's float32 product on the float32 weight
-    # The C loop and oneDNN sum in another order than F.linear: float32 rounding of a
-    # k-term sum, no more.
-    scale = (x.abs() @ wide.abs().T) + 1
+    # Summed position by position in float32, one fused multiply-add each: the exact sum
+    # (float64) within float32 rounding of a k-term sum.
+    exact = x.double() @ wide.double().T + (0 if wide_bias is None else wide_bias.double())
+    scale = (x.abs() @ wide.abs().T).double() + 1
+    assert ((got.double() - exact).abs() / scale).max() < k * 2**-24
     assert ((got - expected).abs() / scale).max() < 1e-5
+    # Each row's bits are its own, whatever the row count: row by row, and in the other
+    # loop (one row reads the packed weight; more than 8 widen it).
+    with torch.inference_mode():
+        for r in {0, rows // 2, rows - 1}:
+            assert torch.equal(module(x[:, r : r + 1]), got[:, r : r + 1])
+        if rows <= 8:
+            many = module(x.repeat(1, 3, 1))
+            assert torch.equal(many[:, :rows], got)
 
 
-@pytest.mark.parametrize("copy", [False, True])
-def test_install_keeps_bfloat16_weights_once_and_computes_in_float32(copy):
+def test_packed_blocks_hold_the_columns_where_the_loop_unpacks_them():
+    weight = torch.arange(20 * 3, dtype=torch.float32).reshape(20, 3).bfloat16()
+    packed = bf16_weights.pack(weight)
+    assert packed.shape == (2, 3, 16)
+    assert packed[0, 1].tolist() == [weight[c, 1].item() for c in bf16_weights.SLOT_COLUMNS]
+    assert packed[1, 2, :4].tolist() == [weight[16 + c, 2].item() for c in range(4)]
+    assert packed[1, 2, 4:].abs().sum() == 0 and packed[1, 0, 8:12].abs().sum() == 0
+
+
+def test_install_keeps_bfloat16_weights_once_and_computes_in_float32():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -62,12 +69,12 @@ def test_install_keeps_bfloat16_weights_once_and_computes_in_float32(copy):
     model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
     reference = LlamaForCausalLM(config).eval()
     reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
-    assert bf16_weights.install(model, copy) == 2 * 7 + 2  # 7 products a layer, lm_head, embedding
+    assert bf16_weights.install(model) == 2 * 7 + 2  # 7 products a layer, lm_head, embedding
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     assert embed.weight.dtype == head.weight.dtype == torch.bfloat16
     assert embed.weight.data_ptr() == head.weight.data_ptr()  # tied: one table
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    assert (head.wide is not None) == copy
+    assert head.packed.dtype == torch.bfloat16 and not hasattr(head, "wide")
     ids = torch.tensor([[(i * 37) % 300 for i in range(40)]])  # 40 rows: the many-row path
     with torch.inference_mode():
         got = model(ids).logits
@@ -80,8 +87,8 @@ def test_install_keeps_bfloat16_weights_once_and_computes_in_float32(copy):
 @pytest.mark.parametrize("rows", [1, 5, 24, 40])
 def test_stacked_qkv_over_bfloat16_weights(rows):
     """q, k and v stacked into one bfloat16-weight product (fused_projections) give the
-    separate products' results: the same bits through the C loop, whose sum for an output
-    column does not depend on the other weight rows, and float32 rounding past it."""
+    separate products' bits: the C loop's sum for an output column does not depend on the
+    other weight rows."""
     from transformers import Qwen2Config
     from transformers.models.qwen2 import modeling_qwen2
 
@@ -96,12 +103,8 @@ def test_stacked_qkv_over_bfloat16_weights(rows):
         torch.nn.init.normal_(p.bias)  # Qwen2 has q/k/v biases
     x = torch.randn(1, rows, 64)
     with torch.inference_mode():
-        expected = [bf16_weights.Bf16WeightLinear(p, True)(x) for p in projections]
-        assert fused_projections.fuse_qkv(
-            attn, lambda linear: bf16_weights.Bf16WeightLinear(linear, True)) == 1
+        expected = [bf16_weights.Bf16WeightLinear(p)(x) for p in projections]
+        assert fused_projections.fuse_qkv(attn, bf16_weights.Bf16WeightLinear) == 1
         got = [p(x) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
     for g, e in zip(got, expected):
-        if rows <= bf16_weights.SMALL_ROWS:
-            assert torch.equal(g, e)
-        else:
-            assert (g - e).abs().max() < 1e-4
+        assert torch.equal(g, e)

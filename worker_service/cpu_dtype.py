@@ -5,9 +5,10 @@ and only rounding inside operations changes (it shrinks). Without oneDNN's half-
 path torch runs its own reference kernels: bfloat16 products of 16-64 rows at SmolLM2's
 shapes 4-6x slower than float32 on an AVX2 EPYC, float16 twice as slow on an AVX512 one.
 So such a model computes in float32: a bfloat16 one over its bfloat16 weights where the C
-products build (kernels/bf16_weights.py: a decoding step costs bfloat16's bytes), else as a
-float32 copy; where a float32 copy would take more than half the free memory, a model
-keeps its dtype and the log says it is slow.
+products build (kernels/bf16_weights.py: a decoding step costs bfloat16's bytes, and the
+weights are also kept packed for the C loop, in bfloat16), else as a float32 copy; where a
+float32 copy would take more than half the free memory, a model keeps its dtype and the log
+says it is slow.
 """
 
 from __future__ import annotations
@@ -49,21 +50,16 @@ def settle(model: nn.Module, swap_modules: bool = True) -> nn.Module:
         return available is None or extra <= available // 2
 
     extra = sum(p.numel() * 2 for p in model.parameters() if p.dtype == model.dtype)
-    copy = fits(bf16_weights.copy_bytes(model))
     if (swap_modules and model.dtype == torch.bfloat16
             and bf16_weights.library() is not None):
-        # q, k and v as one product: one stream of weight rows for the C loop. Not gate
-        # and up: torch's float32 product of many rows over the stacked weight was 0.7-0.9x
-        # as fast as the two separate ones at SmolLM2's and qwen2-gqa's widths.
-        qkv = fused_projections.fuse_qkv(
-            model, lambda linear: bf16_weights.Bf16WeightLinear(linear, copy))
-        kept = bf16_weights.install(model, copy)
+        # q, k and v as one product: one call and one stream of weight blocks for the C
+        # loop, where three products of a few rows each would wait on their barriers.
+        qkv = fused_projections.fuse_qkv(model, bf16_weights.Bf16WeightLinear)
+        kept = bf16_weights.install(model)
         logger.warning("this CPU has no native bfloat16 (%s): the model computes in float32, "
                        "with the weights of its linear layers and embeddings kept in "
                        "bfloat16 (kernels/bf16_weights.py: %d modules; q, k and v stacked "
-                       "into one product in %d layers)%s", why, kept + qkv, qkv,
-                       ", and the linear ones also in float32 for products of many rows"
-                       if copy else "; no float32 copy of them: not enough free memory")
+                       "into one product in %d layers)", why, kept + qkv, qkv)
         return model
     if not fits(extra):
         logger.warning("this CPU has no native %s (%s), and a float32 copy would take %.1f GiB "

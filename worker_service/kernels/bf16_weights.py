@@ -7,14 +7,15 @@ value) but doubles their bytes, and a decoding step of few rows is all weight re
 an AVX2 EPYC, SmolLM2's one-row step took 77 ms in float32 against 36 ms in bfloat16.
 
 So the weights of the linear layers and the embeddings stay bfloat16 and everything
-computes in float32: products of few rows run `bf16_weights.c`, which reads each weight
-once as bfloat16 and widens it in registers; larger products run torch's float32 product,
-whose time is arithmetic, over a float32 copy of the weight where memory allows it (see
-cpu_dtype.py; prepacked in oneDNN's blocked layout where oneDNN runs float32, which
-multiplies 1.1-2.3x faster than MKL over the plain copy at these shapes), else over the
-weight widened per product into a scratch buffer. The model
-then computes what its float32 copy computes, up to the order of float32 sums in the C
-loop.
+computes in float32. Every product runs `bf16_weights.c` over the weight packed once into
+blocks of 16 columns: up to 8 rows its tiles widen the bfloat16 weight in registers (the
+product is the weight's bytes), from more each block is widened to float32 once per chunk
+of rows and 6-row tiles of fused multiply-adds stream it from cache. On an AVX2 EPYC, 2
+threads, SmolLM2's products ran 1.05-1.74x as fast as the loops before it (a C loop up to
+24 rows, oneDNN's prepacked float32 copy above), and no float32 copy is kept
+(docs/benchmarks.md). An output is its row and column summed in one order (position by
+position), so a row has the same bits at every row count; they differ from torch's
+float32 product in the last bits of some values.
 """
 
 from __future__ import annotations
@@ -27,22 +28,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker_service.kernels import linear_prepack, native_build
+from worker_service.kernels import native_build
 
 SOURCE = Path(__file__).with_name("bf16_weights.c")
 _P, _I = native_build.P, native_build.I64
-FUNCTIONS = {"linear_bf16w": ([_P, _P, _P, _P, _I, _I, _I, _I], ctypes.c_int),
+FUNCTIONS = {"linear_bf16p": ([_P, _P, _P, _P, _I, _I, _I, _I], ctypes.c_int),
              "bf16w_vectorized": ([], ctypes.c_int)}
-# Rows up to which the C loop beats torch's float32 product, over a float32 copy of the
-# weight (kept where memory allows) or over the weight widened per call: 24, and for
-# weights too large to stay in cache (an output layer) 128, or 32 over a copy in oneDNN's
-# layout. Measured on an AVX2 EPYC, 2 threads, at SmolLM2's shapes (docs/benchmarks.md).
-SMALL_ROWS = 24
-LARGE_WEIGHT, LARGE_WEIGHT_ROWS, PACKED_LARGE_WEIGHT_ROWS = 1 << 22, 128, 32
-# The row count oneDNN lays the float32 copy out for. Against MKL's product over the plain
-# copy, at SmolLM2's shapes: 1.1-1.5x at 8-256 rows, 0.87-1.24x at 2048, 2.3x for the
-# output layer at 64 rows; the hint 1 layout gained less at 8-64 rows.
-PACK_HINT = 32
+BLOCK = 16  # output columns of a packed block: two float32 vectors of 8
+# Where a block's 16 columns lie: one 256-bit load interleaved with zeros takes slots 0-3
+# and 8-11 (unpacklo) and 4-7 and 12-15 (unpackhi) of it, which are to be columns 0-7
+# and 8-15.
+SLOT_COLUMNS = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
 
 
 @functools.cache
@@ -54,59 +50,46 @@ def library():
     return lib if lib is not None and lib.bf16w_vectorized() else None
 
 
-class _Scratch:
-    """One float32 buffer the large products widen their weight into (a forward runs one
-    product at a time), grown to the largest weight."""
-
-    buffer = torch.empty(0)
-
-    @classmethod
-    def widen(cls, weight: torch.Tensor) -> torch.Tensor:
-        if cls.buffer.numel() < weight.numel():
-            cls.buffer = torch.empty(weight.numel(), dtype=torch.float32)
-        return cls.buffer[: weight.numel()].view(weight.shape).copy_(weight)
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [n, k] (bfloat16) -> [ceil(n / 16), k, 16]: blocks of 16 columns, each
+    position's 16 weights together in the slots the C loop unpacks (SLOT_COLUMNS);
+    columns past n are zero."""
+    n, k = weight.shape
+    padded = -n % BLOCK
+    if padded:
+        weight = torch.cat([weight, weight.new_zeros(padded, k)])
+    return weight.reshape(-1, BLOCK, k)[:, list(SLOT_COLUMNS)].transpose(1, 2).contiguous()
 
 
 class Bf16WeightLinear(nn.Module):
-    """nn.Linear over a bfloat16 weight, in float32: float32 inputs and outputs. `copy`:
-    also keep the weight in float32 for products of many rows."""
+    """nn.Linear over a bfloat16 weight, in float32: float32 inputs and outputs."""
 
-    def __init__(self, linear: nn.Linear, copy: bool):
+    def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        # The plain weight stays for whoever reads it (a tied embedding shares it, the
+        # runner reads the vocabulary from the output layer's); the C loop reads the packed.
         self.register_buffer("weight", linear.weight.detach().contiguous())
-        # The copy in oneDNN's blocked layout where oneDNN runs float32 here.
-        self.packed = copy and linear_prepack.runs(torch.float32)
-        self.wide = None
-        if copy:
-            wide = self.weight.float()
-            self.wide = (torch.ops.mkldnn._reorder_linear_weight(wide, PACK_HINT)
-                         if self.packed else wide)
+        self.register_buffer("packed", pack(self.weight))
         self.bias = (None if linear.bias is None else
                      nn.Parameter(linear.bias.detach().float(), requires_grad=False))
-        self.large_rows = PACKED_LARGE_WEIGHT_ROWS if self.packed else LARGE_WEIGHT_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
         rows = x.numel() // self.in_features
-        if rows > (self.large_rows if self.weight.numel() >= LARGE_WEIGHT else SMALL_ROWS):
-            if self.packed:
-                return torch.ops.mkldnn._linear_pointwise(x, self.wide, self.bias, "none",
-                                                          [], "")
-            wide = self.wide if self.wide is not None else _Scratch.widen(self.weight)
-            return F.linear(x, wide, self.bias)
         flat = x.reshape(rows, self.in_features)
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
         out = torch.empty(rows, self.out_features, dtype=torch.float32)
-        status = library().linear_bf16w(
-            flat.data_ptr(), self.weight.data_ptr(),
-            None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), rows,
-            self.out_features, self.in_features, flat.stride(0))
-        if status != 0:
-            raise MemoryError(f"bfloat16-weight product of {rows} rows x {self.in_features} "
-                              f"-> {self.out_features}: out of memory for its buffer "
-                              f"(status {status})")
+        if rows:
+            status = library().linear_bf16p(
+                flat.data_ptr(), self.packed.data_ptr(),
+                None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), rows,
+                self.out_features, self.in_features, flat.stride(0))
+            if status != 0:
+                raise MemoryError(f"bfloat16-weight product of {rows} rows x "
+                                  f"{self.in_features} -> {self.out_features}: out of memory "
+                                  f"for its widened block (status {status})")
         return out.view(*x.shape[:-1], self.out_features)
 
 
@@ -123,17 +106,11 @@ class Bf16WeightEmbedding(nn.Module):
         return F.embedding(ids, self.weight, self.padding_idx).float()
 
 
-def copy_bytes(model: nn.Module) -> int:
-    """Bytes a float32 copy of `model`'s bfloat16 nn.Linear weights takes."""
-    return sum(m.weight.numel() * 4 for m in model.modules()
-               if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16)
-
-
-def install(model: nn.Module, copy: bool) -> int:
+def install(model: nn.Module) -> int:
     """Make a bfloat16 CPU `model` compute in float32 with its nn.Linear and nn.Embedding
-    weights kept bfloat16 (every other parameter and buffer becomes float32; `copy`: the
-    linear weights also in float32, for products of many rows); returns how many modules
-    keep bfloat16 weights, 0 where the C library is missing (nothing is changed then)."""
+    weights kept bfloat16 (every other parameter and buffer becomes float32); returns how
+    many modules keep bfloat16 weights, 0 where the C library is missing (nothing is
+    changed then)."""
     if library() is None:
         return 0
     swaps = [(parent, name, child) for parent in model.modules()
@@ -142,7 +119,7 @@ def install(model: nn.Module, copy: bool) -> int:
              or (type(child) is nn.Embedding and child.weight.dtype == torch.bfloat16
                  and child.max_norm is None)]
     for parent, name, child in swaps:
-        setattr(parent, name, Bf16WeightLinear(child, copy) if isinstance(child, nn.Linear)
+        setattr(parent, name, Bf16WeightLinear(child) if isinstance(child, nn.Linear)
                 else Bf16WeightEmbedding(child))
     for module in model.modules():
         if isinstance(module, (Bf16WeightLinear, Bf16WeightEmbedding)):
