@@ -21,9 +21,10 @@ and refuses to start if any bit differs: `check` multiplies random rows alone an
 together through every linear shape of the model, and computes a probe prompt's logits
 alone and beside two other prompts, at its prefill and four decoding steps.
 
-Not covered (the worker refuses the option): float32 models, whose products (MKL, or
-oneDNN over the float32 copy of bfloat16 weights on CPUs without native bfloat16) were not
-checked row by row; other devices; models on the fallback path.
+Not covered (the worker refuses the option): float32 models, whose products (MKL) were
+not checked row by row; bfloat16 models on CPUs without native bfloat16, which compute in
+float32 (their products, kernels/bf16_weights.c, sum in one fixed order, but their prompts'
+attention is SDPA's); other devices; models on the fallback path.
 """
 
 from __future__ import annotations
