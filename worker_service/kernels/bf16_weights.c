@@ -169,13 +169,7 @@ int linear_bf16p(const float *x, const uint16_t *p, const float *bias, float *y,
     struct shares shares;
     const int64_t threads = shares_threads(shares_team(parallel));
     int64_t first_unit[SHARES_MAX_THREADS + 1];
-    shares.threads = threads;
-    first_unit[0] = 0;
-    for (int64_t t = 0; t < threads; t++) {
-        const int64_t lo = blocks * t / threads, hi = blocks * (t + 1) / threads;
-        first_unit[t + 1] = first_unit[t] + (hi - lo) * chunks;
-        shares_set(&shares, t, first_unit[t], first_unit[t + 1]);
-    }
+    shares_by_blocks(&shares, first_unit, threads, blocks, 1, chunks);
     int status = 0;
 #pragma omp parallel if (parallel)
     {
@@ -188,9 +182,7 @@ int linear_bf16p(const float *x, const uint16_t *p, const float *bias, float *y,
         for (int64_t unit; (unit = shares_next(&shares)) >= 0;) {
             if (widened && !wide)
                 continue;
-            int64_t t = 0; /* whose share the unit is in */
-            while (unit >= first_unit[t + 1])
-                t++;
+            const int64_t t = shares_owner(first_unit, unit);
             const int64_t lo = blocks * t / threads, mine = blocks * (t + 1) / threads - lo;
             const int64_t u = unit - first_unit[t];
             const int64_t b = lo + u % mine, r0 = u / mine * chunk;

@@ -230,21 +230,12 @@ static void linear_dot(const uint16_t *x, const uint16_t *p, const uint16_t *bia
     const int parallel = rows * n * 2 * k2 >= 65536;
     struct shares shares;
     const int64_t threads = shares_threads(shares_team(parallel));
-    /* thread t: blocks [blocks t / threads, blocks (t + 1) / threads) in groups of `step`,
-     * each group's chunks in row order; units numbered on from the previous thread's */
+    /* thread t: its blocks in groups of `step`, each group's chunks in row order */
     int64_t first_unit[SHARES_MAX_THREADS + 1];
-    shares.threads = threads;
-    first_unit[0] = 0;
-    for (int64_t t = 0; t < threads; t++) {
-        const int64_t lo = blocks * t / threads, hi = blocks * (t + 1) / threads;
-        first_unit[t + 1] = first_unit[t] + (hi - lo + step - 1) / step * chunks;
-        shares_set(&shares, t, first_unit[t], first_unit[t + 1]);
-    }
+    shares_by_blocks(&shares, first_unit, threads, blocks, step, chunks);
 #pragma omp parallel if (parallel)
     for (int64_t unit; (unit = shares_next(&shares)) >= 0;) {
-        int64_t t = 0; /* whose share the unit is in */
-        while (unit >= first_unit[t + 1])
-            t++;
+        const int64_t t = shares_owner(first_unit, unit);
         const int64_t hi = blocks * (t + 1) / threads, u = unit - first_unit[t];
         const int64_t b0 = blocks * t / threads + u / chunks * step;
         const int64_t r_lo = u % chunks * DOT_CHUNK_ROWS;
@@ -419,9 +410,7 @@ static void linear_amx(const uint16_t *x, const uint16_t *p, const uint16_t *bia
         int configured = 0;
         float part[AMX_ROW_CHUNK / 32 * 1024] __attribute__((aligned(64)));
         for (int64_t unit; (unit = shares_next(&shares)) >= 0;) {
-            int64_t t = 0; /* whose share the unit is in */
-            while (unit >= first_unit[t + 1])
-                t++;
+            const int64_t t = shares_owner(first_unit, unit);
             if (!wide) {
                 const int64_t b0 = blocks * t / threads + 4 * (unit - first_unit[t]);
                 const int64_t hi = blocks * (t + 1) / threads;
@@ -505,9 +494,7 @@ static void linear_silu_amx(const uint16_t *x, const uint16_t *p, const uint16_t
         float part[AMX_ROW_CHUNK / 32 * 1024] __attribute__((aligned(64)));
         uint16_t stash[AMX_ROW_CHUNK * 16] __attribute__((aligned(64)));
         for (int64_t unit; (unit = shares_next(&shares)) >= 0;) {
-            int64_t t = 0;
-            while (unit >= first_unit[t + 1])
-                t++;
+            const int64_t t = shares_owner(first_unit, unit);
             const int64_t qlo = quads * t / threads, mine = quads * (t + 1) / threads - qlo;
             const int64_t u = unit - chunks * qlo;
             const int64_t c0 = u / mine * AMX_ROW_CHUNK, j = 32 * (qlo + u % mine);

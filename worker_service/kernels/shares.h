@@ -121,6 +121,30 @@ static inline int64_t shares_next_run(struct shares *s, int64_t align, int64_t *
     return 0;
 }
 
+/* Shares of contiguous ranges of blocks: thread t's are blocks [blocks t / threads,
+ * blocks (t + 1) / threads), taken in groups of `step` blocks, each group `chunks` units
+ * (its chunks of rows), numbered on from the previous thread's; first[t] is thread t's
+ * first unit and first[threads] their count. Call it before the parallel region. */
+static inline void shares_by_blocks(struct shares *s, int64_t first[SHARES_MAX_THREADS + 1],
+                                    int64_t threads, int64_t blocks, int64_t step,
+                                    int64_t chunks) {
+    s->threads = threads = shares_threads(threads);
+    first[0] = 0;
+    for (int64_t t = 0; t < threads; t++) {
+        const int64_t lo = blocks * t / threads, hi = blocks * (t + 1) / threads;
+        first[t + 1] = first[t] + (hi - lo + step - 1) / step * chunks;
+        shares_set(s, t, first[t], first[t + 1]);
+    }
+}
+
+/* The thread whose share holds `unit`, where thread t's share is [first[t], first[t + 1]). */
+static inline int64_t shares_owner(const int64_t *first, int64_t unit) {
+    int64_t t = 0;
+    while (unit >= first[t + 1])
+        t++;
+    return t;
+}
+
 /* The calling thread's next unit (a run of one); -1 when none are left. */
 static inline int64_t shares_next(struct shares *s) {
     int64_t unit;
