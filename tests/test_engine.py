@@ -420,6 +420,34 @@ def test_tiled_prompt_attention_reads_only_written_slots_and_ignores_chunking(
     assert torch.equal(torch.cat([first, rest]), got)
 
 
+@pytest.mark.parametrize("heads,kv_heads,window,dim", NATIVE_SHAPES)
+def test_float32_prompt_attention_reads_only_written_slots_and_gives_whole_prompt_bits(
+        heads, kv_heads, window, dim):
+    """Prompts over float32 KV (a model computing in float32): 150 queries after 40 held
+    slots against float64 SDPA, every slot past the row's last one NaN; and the same
+    queries cut anywhere into two pieces give the bits of the whole prompt (chunked
+    prefill and prefix-cache hits). Head sizes that are multiples of 16 take the tiles
+    (prompt_attention.c), the others the one-query loop."""
+    from worker_service.kernels import native_attention
+
+    g = torch.Generator().manual_seed(heads * dim + 9)
+    start, tokens, row = 40, 150, 1
+    keys = torch.randn(3, kv_heads, start + tokens + 45, dim, generator=g)
+    values = torch.randn(keys.shape, generator=g)
+    keys[:, :, start + tokens:] = values[:, :, start + tokens:] = float("nan")
+    query = torch.randn(tokens, heads, dim, generator=g)
+    assert native_attention.supports_prompt(query, keys, values)
+    got = native_attention.attend_prompt(query, keys, values, row, start, 0.3, window)
+    want = _causal_sdpa(query, keys, values, row, start, 0.3, window, torch.float64)
+    assert got.dtype == torch.float32 and (got.double() - want).abs().max() < 1e-5
+    for cut in (1, 5, 64 + 5, tokens - 8, tokens - 1):
+        first = native_attention.attend_prompt(query[:cut], keys, values, row, start, 0.3,
+                                               window)
+        rest = native_attention.attend_prompt(query[cut:], keys, values, row, start + cut,
+                                              0.3, window)
+        assert torch.equal(torch.cat([first, rest]), got), cut
+
+
 def test_tiled_prompt_attention_takes_scores_far_above_a_rows_first_slots():
     """The tiles' one-pass softmax scales a row's probabilities by its first 64 slots;
     keys 150 times larger after them put later scores some 200 powers of two higher,

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "fma_tile.h"
 #include "shares.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -31,10 +32,9 @@ int bf16w_vectorized(void) { return 1; }
  * Each output is its row dotted with its column in the order of i, one fused multiply-add
  * a position, plus the bias: the same bits at every row count, in either loop below. */
 
-/* Rows of a register tile: the widened loop's 6 rows x 2 vectors are 12 of the 16
- * registers (the weights' 2 and a broadcast input take 3); the packed loop also holds the
- * zeros it unpacks with, so it takes 4 rows (6 spilled sums to the stack there). */
-#define MR 6
+/* Rows of a register tile: the widened loop's are fma_tile's 6; the packed loop also
+ * holds the zeros it unpacks with, so it takes 4 rows (6 spilled sums to the stack there). */
+#define MR FMA_TILE_ROWS
 #define MR_PACKED 4
 /* Up to this many rows, tiles read the packed bfloat16 weight directly: the product is the
  * weight's bytes. From more, each block is first widened to float32 once per chunk of rows
@@ -50,20 +50,6 @@ int bf16w_vectorized(void) { return 1; }
     const __m256i wv_ = _mm256_loadu_si256((const __m256i *)((w) + (i) * 16));     \
     const __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, wv_));        \
     const __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, wv_));
-
-/* A tile's sums as named registers (an array of them was spilled by GCC at every step). */
-#define SUMS(m) __m256 s0##m = _mm256_setzero_ps(), s1##m = _mm256_setzero_ps();
-#define STEP(m)                                                                      \
-    if (mr > m) {                                                                    \
-        const __m256 b = _mm256_broadcast_ss(x + m * xs + i);                        \
-        s0##m = _mm256_fmadd_ps(b, lo, s0##m);                                       \
-        s1##m = _mm256_fmadd_ps(b, hi, s1##m);                                       \
-    }
-#define KEEP(m)                                                                      \
-    if (mr > m) {                                                                    \
-        _mm256_storeu_ps(sums + 16 * m, s0##m);                                      \
-        _mm256_storeu_ps(sums + 16 * m + 8, s1##m);                                  \
-    }
 
 /* Sums [mr][16] plus bias into y's columns c0.. (rows n apart), up to column n. */
 static inline void store_tile(const float *sums, int mr, const float *bias, float *y,
@@ -83,32 +69,28 @@ static inline void store_tile(const float *sums, int mr, const float *bias, floa
             y[m * n + c] = sums[16 * m + c - c0] + (bias ? bias[c] : 0.f);
 }
 
-/* Rows [0, mr) of x times one packed bfloat16 block, unpacked at each position. */
+/* Rows [0, mr) of a times one packed bfloat16 block, unpacked at each position. */
 static inline __attribute__((always_inline)) void
-tile_packed(const float *x, int64_t xs, const uint16_t *w, int64_t k, const int mr,
+tile_packed(const float *a, int64_t as, const uint16_t *w, int64_t k, const int mr,
             const float *bias, float *y, int64_t n, int64_t c0) {
-    SUMS(0) SUMS(1) SUMS(2) SUMS(3)
+    FMA_SUMS(0) FMA_SUMS(1) FMA_SUMS(2) FMA_SUMS(3)
     const __m256i zero = _mm256_setzero_si256();
     for (int64_t i = 0; i < k; i++) {
         UNPACK(w, i, lo, hi)
-        STEP(0) STEP(1) STEP(2) STEP(3)
+        FMA_STEP(0) FMA_STEP(1) FMA_STEP(2) FMA_STEP(3)
     }
-    float sums[16 * MR_PACKED];
-    KEEP(0) KEEP(1) KEEP(2) KEEP(3)
-    store_tile(sums, mr, bias, y, n, c0);
+    float c[16 * MR_PACKED];
+    const int64_t cs = 16;
+    FMA_KEEP(0) FMA_KEEP(1) FMA_KEEP(2) FMA_KEEP(3)
+    store_tile(c, mr, bias, y, n, c0);
 }
 
 /* Rows [0, mr) of x times one block widened to float32, wide[i][16] (columns in order). */
 static inline __attribute__((always_inline)) void
 tile_wide(const float *x, int64_t xs, const float *wide, int64_t k, const int mr,
           const float *bias, float *y, int64_t n, int64_t c0) {
-    SUMS(0) SUMS(1) SUMS(2) SUMS(3) SUMS(4) SUMS(5)
-    for (int64_t i = 0; i < k; i++) {
-        const __m256 lo = _mm256_loadu_ps(wide + i * 16), hi = _mm256_loadu_ps(wide + i * 16 + 8);
-        STEP(0) STEP(1) STEP(2) STEP(3) STEP(4) STEP(5)
-    }
     float sums[16 * MR];
-    KEEP(0) KEEP(1) KEEP(2) KEEP(3) KEEP(4) KEEP(5)
+    fma_tile(x, xs, wide, 16, k, mr, sums, 16);
     store_tile(sums, mr, bias, y, n, c0);
 }
 

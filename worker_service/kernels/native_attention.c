@@ -873,3 +873,11 @@ int prompt_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *
     return attend_pairs(q, k, v, out, NULL, start, tokens, heads, kv_heads, dim, 0,
                         head_stride, scale, window, start + tokens, 1);
 }
+
+/* The same over float32 query, KV and output (a model that computes in float32). */
+int prompt_attention_f32(const float *q, const float *k, const float *v, float *out,
+                         int64_t start, int64_t tokens, int64_t heads, int64_t kv_heads,
+                         int64_t dim, int64_t head_stride, float scale, int64_t window) {
+    return attend_pairs(q, k, v, out, NULL, start, tokens, heads, kv_heads, dim, 0,
+                        head_stride, scale, window, start + tokens, 0);
+}
