@@ -119,6 +119,38 @@ def test_silu_gate_product_over_every_bfloat16_gate():
     assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
 
 
+@pytest.mark.skipif(not fused_layers.mlp_product_builds(torch.float32),
+                    reason="no AVX2 and FMA: float32 MLPs keep torch's SiLU")
+def test_float32_silu_gate_product_is_within_a_few_ulps_wherever_a_value_lies():
+    """The float32 SiLU gate product (bfloat16 models computing in float32): against
+    float64 within 3 units of float32's last place over gates from -100 to 100 (and zeros,
+    infinities, subnormals), and the same bits for a value whether it falls in the 8-lane
+    loop or the tail, in the flat and the stacked [gate | up] entry points."""
+    g = torch.Generator().manual_seed(4)
+    gate = torch.cat([torch.randn(5000, generator=g) * 30, torch.linspace(-100, 100, 2001),
+                      torch.tensor([0.0, -0.0, 1e-40, -1e-40, float("inf"), 88.0, -88.0])])
+    up = torch.randn(gate.numel(), generator=g) * 4
+    lib = fused_layers.library()
+    got = torch.empty_like(gate)
+    lib.silu_mul_f32(gate.data_ptr(), up.data_ptr(), got.data_ptr(), gate.numel())
+    g64, u64 = gate.double(), up.double()
+    want = g64 / (1 + torch.exp(-g64)) * u64
+    ok = torch.isfinite(want) & (want.abs() > 1e-30)
+    ulp = torch.finfo(torch.float32).eps * want.abs()
+    assert ((got.double() - want).abs()[ok] <= 3 * ulp[ok]).all()
+    assert torch.isinf(got[gate == float("inf")]).all()
+    for shift in (1, 3, 7):  # every value moved to another lane, some into the tail
+        moved = torch.empty(gate.numel() - shift)
+        lib.silu_mul_f32(gate[shift:].contiguous().data_ptr(), up[shift:].contiguous().data_ptr(),
+                         moved.data_ptr(), moved.numel())
+        assert torch.equal(moved, got[shift:])
+    rows, cols = 3, 1001
+    stacked = torch.cat([gate[:rows * cols].view(rows, cols), up[:rows * cols].view(rows, cols)], 1)
+    out = torch.empty(rows, cols)
+    lib.silu_mul_rows_f32(stacked.data_ptr(), out.data_ptr(), None, rows, cols, 2 * cols)
+    assert torch.equal(out.view(-1), got[:rows * cols])
+
+
 @needs_onednn_bf16
 def test_install_touches_only_llama_style_code_in_bfloat16_on_cpu():
     llama = ModelRunner(str(bf16_model("llama")), dtype="bfloat16", prepack=False).model
@@ -129,7 +161,7 @@ def test_install_touches_only_llama_style_code_in_bfloat16_on_cpu():
     assert fused_layers.install_mlp(gpt2) == 0  # GELU, no gate
     fp32 = ModelRunner(str(tiny_model("llama")), dtype="float32").model
     assert fused_layers.install(fp32) == (2 * 2 + 1, 1)  # float32 norms and rotary too
-    assert fused_layers.install_mlp(fp32) == 0  # the SiLU product is bfloat16's
+    assert fused_layers.install_mlp(fp32) == 0  # float32 keeps torch's SiLU unless stacked
 
 
 @needs_onednn_bf16

@@ -1,16 +1,24 @@
 """A step's layers in one C call (kernels/step_layers.py) against the layer
-loop's calls from Python, on generated bfloat16 models."""
+loop's calls from Python, on generated bfloat16 models: in bfloat16 where the CPU has
+AVX512-BF16, in float32 over the bfloat16 weights where it has no native bfloat16 (AVX2)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from worker_service.kernels import step_layers, dpbf16_linear
+from worker_service.kernels import bf16_weights, dpbf16_linear, linear_prepack, step_layers
 
+# The product library a bfloat16 model's layers run here, if one the C call takes: the
+# C bfloat16 product (AVX512-BF16), or the float32 one over bfloat16 weights where oneDNN
+# has no bfloat16 (AVX2); elsewhere (oneDNN's bfloat16 on AVX512 without BF16) none.
+PRODUCTS = (dpbf16_linear if dpbf16_linear.library() is not None
+            else bf16_weights if (bf16_weights.library() is not None
+                                  and not linear_prepack.runs(torch.bfloat16))
+            else None)
 needs_library = pytest.mark.skipif(
-    dpbf16_linear.library() is None or step_layers.library() is None,
-    reason="no AVX512-BF16 or no C compiler here: steps call each layer")
+    PRODUCTS is None or step_layers.library() is None,
+    reason="no C product the call takes or no C compiler here: steps call each layer")
 
 
 def _runner(tmp_path, arch: str, size: str, seed: int = 1):
@@ -171,11 +179,15 @@ def test_a_step_read_at_its_sampled_rows_gives_them_the_bits_of_the_whole(tmp_pa
 
 
 @needs_library
-def test_greedy_tokens_equal_the_unprepacked_forwards(tmp_path):
+def test_greedy_tokens_equal_the_unprepacked_forwards(tmp_path, monkeypatch):
+    """Against the model's plain forwards: torch's products (and, over bfloat16 weights
+    computed in float32, a float32 copy of the model with torch's SiLU)."""
     from worker_service.model_runner import ModelRunner
 
     runner = _runner(tmp_path, "llama", "tiny", seed=2)
+    monkeypatch.setattr(bf16_weights, "library", lambda: None)
     plain = ModelRunner(str(tmp_path / "llama-tiny"), dtype="bfloat16", prepack=False)
+    monkeypatch.undo()
     assert runner.layer_loop.step_layers is not None
     assert plain.layer_loop is None or plain.layer_loop.step_layers is None
     got = _steps(runner, runner.facts.vocab_size, 16)
@@ -199,12 +211,13 @@ def test_candidate_trees_and_autograd_keep_the_per_layer_calls(tmp_path):
 
     runner = _runner(tmp_path, "llama", "tiny")
     call = runner.layer_loop.step_layers
+    dtype = call.dtype  # bfloat16, or float32 over bfloat16 weights
     group = KVGroup(runner.kv_shape)
     for r in range(2):
         group.add_empty_row(r, 32)
     group.fill(0, 4)
-    hidden = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
-    cos = torch.zeros(1, 1, 16, dtype=torch.bfloat16)
+    hidden = torch.zeros(1, 1, 64, dtype=dtype)
+    cos = torch.zeros(1, 1, 16, dtype=dtype)
     assert not call.takes(_decode_batch(runner, group), hidden, cos)  # autograd on
     with torch.inference_mode():
         decode = _decode_batch(runner, group)
@@ -212,13 +225,14 @@ def test_candidate_trees_and_autograd_keep_the_per_layer_calls(tmp_path):
         mixed = PackedBatch(runner.device, runner.layer_attention)
         mixed.add_decode(group, 0, 1, [5])
         mixed.add_row(group, 1, [5, 6], 0)
-        assert call.takes(mixed, torch.zeros(1, 3, 64, dtype=torch.bfloat16),
-                          torch.zeros(1, 3, 16, dtype=torch.bfloat16))
+        assert call.takes(mixed, torch.zeros(1, 3, 64, dtype=dtype),
+                          torch.zeros(1, 3, 16, dtype=dtype))
         tree = PackedBatch(runner.device, runner.layer_attention)
         tree.add_row(group, 0, [5, 6], 4, tree=True)
-        assert not call.takes(tree, torch.zeros(1, 2, 64, dtype=torch.bfloat16),
-                              torch.zeros(1, 2, 16, dtype=torch.bfloat16))
-        assert not call.takes(decode, hidden.float(), cos)
+        assert not call.takes(tree, torch.zeros(1, 2, 64, dtype=dtype),
+                              torch.zeros(1, 2, 16, dtype=dtype))
+        other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+        assert not call.takes(decode, hidden.to(other), cos)
 
 
 @needs_library
@@ -232,7 +246,7 @@ def test_layers_without_the_c_pieces_or_with_the_switch_off_keep_the_per_layer_c
     loop = ModelRunner(model, dtype="bfloat16").layer_loop
     assert loop is not None and loop.step_layers is None
     monkeypatch.undo()
-    monkeypatch.setattr(dpbf16_linear, "library", lambda: None)  # products on oneDNN
+    monkeypatch.setattr(PRODUCTS, "library", lambda: None)  # products on oneDNN
     loop = ModelRunner(model, dtype="bfloat16").layer_loop
     assert loop is not None and loop.step_layers is None
     monkeypatch.undo()

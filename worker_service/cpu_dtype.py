@@ -18,7 +18,7 @@ import logging
 import torch
 from torch import nn
 
-from worker_service.kernels import bf16_weights, fused_projections, linear_prepack
+from worker_service.kernels import bf16_weights, fused_layers, fused_projections, linear_prepack
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +55,15 @@ def settle(model: nn.Module, swap_modules: bool = True) -> nn.Module:
         # q, k and v as one product: one call and one stream of weight blocks for the C
         # loop, where three products of a few rows each would wait on their barriers.
         qkv = fused_projections.fuse_qkv(model, bf16_weights.Bf16WeightLinear)
+        # gate and up too where the float32 C SiLU product reads both halves of one
+        gate_up = (fused_projections.fuse_gate_up(model, bf16_weights.Bf16WeightLinear)
+                   if fused_layers.mlp_product_builds(torch.float32) else 0)
         kept = bf16_weights.install(model)
         logger.warning("this CPU has no native bfloat16 (%s): the model computes in float32, "
                        "with the weights of its linear layers and embeddings kept in "
                        "bfloat16 (kernels/bf16_weights.py: %d modules; q, k and v stacked "
-                       "into one product in %d layers)", why, kept + qkv, qkv)
+                       "into one product in %d layers, gate and up in %d)", why,
+                       kept + qkv + gate_up, qkv, gate_up)
         return model
     if not fits(extra):
         logger.warning("this CPU has no native %s (%s), and a float32 copy would take %.1f GiB "

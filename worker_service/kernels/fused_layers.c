@@ -190,3 +190,68 @@ void silu_mul_rows_bf16(const uint16_t *gu, uint16_t *out, const float *silu, in
     for (int64_t r = 0; r < rows; r++)
         silu_mul_span(gu + r * stride, gu + r * stride + cols, out + r * cols, silu, 0, cols);
 }
+
+/* out = silu(gate) * up over float32, n elements: silu(g) = g / (1 + e^-g) for g >= 0 and
+ * g e^g / (1 + e^g) below (e^x only for x <= 0: exp8_le0, within 2^-22 relative), then
+ * the product, each step rounded to float32. Within a few units of the last place of
+ * torch's float32 `act_fn(gate) * up` (Sleef's exponential), not its bits: the float32 MLP
+ * takes this loop in every path (the model's own forward, the layer loop, the C step
+ * layers) so that they agree. Every element takes the 8-lane loop (a tail through a padded
+ * copy), so its bits do not depend on where it lies. out may be gate. */
+#if defined(__AVX2__) && defined(__FMA__)
+int silu_f32_vectorized(void) { return 1; }
+
+static inline __m256 silu_mul8(__m256 g, __m256 u) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    const __m256 e = exp8_le0(_mm256_or_ps(g, sign)); /* e^-|g| */
+    const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.f), e);
+    const __m256 neg = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), neg);
+    return _mm256_mul_ps(_mm256_div_ps(num, d), u);
+}
+
+static inline void silu_mul_span_f32(const float *gate, const float *up, float *out,
+                                     int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, silu_mul8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+    if (i < n) {
+        float g[8] = {0.f}, u[8] = {0.f}, o[8];
+        memcpy(g, gate + i, sizeof(float) * (size_t)(n - i));
+        memcpy(u, up + i, sizeof(float) * (size_t)(n - i));
+        _mm256_storeu_ps(o, silu_mul8(_mm256_loadu_ps(g), _mm256_loadu_ps(u)));
+        memcpy(out + i, o, sizeof(float) * (size_t)(n - i));
+    }
+}
+
+void silu_mul_f32(const float *gate, const float *up, float *out, int64_t n) {
+    const int64_t blocks = (n + 1023) / 1024;
+#pragma omp parallel for schedule(static) if (n >= MIN_PARALLEL)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t lo = b * 1024, hi = lo + 1024 < n ? lo + 1024 : n;
+        silu_mul_span_f32(gate + lo, up + lo, out + lo, hi - lo);
+    }
+}
+
+/* The same over a stacked [gate | up] product (rows as silu_mul_rows_bf16); `unused`
+ * keeps the bfloat16 entry's signature (its table), for step_layers.c. */
+void silu_mul_rows_f32(const float *gu, float *out, const float *unused, int64_t rows,
+                       int64_t cols, int64_t stride) {
+    (void)unused;
+#pragma omp parallel for schedule(static) if (rows * cols >= MIN_PARALLEL)
+    for (int64_t r = 0; r < rows; r++)
+        silu_mul_span_f32(gu + r * stride, gu + r * stride + cols, out + r * cols, cols);
+}
+#else
+/* Without AVX2 and FMA float32 MLPs keep torch's SiLU (fused_layers.py asks). */
+int silu_f32_vectorized(void) { return 0; }
+
+void silu_mul_f32(const float *gate, const float *up, float *out, int64_t n) {
+    (void)gate, (void)up, (void)out, (void)n;
+}
+
+void silu_mul_rows_f32(const float *gu, float *out, const float *unused, int64_t rows,
+                       int64_t cols, int64_t stride) {
+    (void)gu, (void)out, (void)unused, (void)rows, (void)cols, (void)stride;
+}
+#endif

@@ -1,5 +1,5 @@
 """One-pass RMSNorm and rotary embedding for Llama-family models in bfloat16 or float32 on
-CPU, and the SiLU gate product in bfloat16.
+CPU, and the SiLU gate product in bfloat16 (torch's bits) and float32 (its own).
 
 Eager transformers runs an RMSNorm as seven torch kernels and a rotary embedding as nine,
 each a pass over memory with a dispatch in front; a decoding step of the benchmark model
@@ -40,6 +40,9 @@ FUNCTIONS = {
     "rotary_f32": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I], None),
     "silu_mul_bf16": ([_P, _P, _P, _P, _I], None),
     "silu_mul_rows_bf16": ([_P, _P, _P, _I, _I, _I], None),
+    "silu_mul_f32": ([_P, _P, _P, _I], None),
+    "silu_mul_rows_f32": ([_P, _P, _P, _I, _I, _I], None),
+    "silu_f32_vectorized": ([], ctypes.c_int),
 }
 @functools.cache
 def library() -> ctypes.CDLL | None:
@@ -135,17 +138,32 @@ def silu_table() -> torch.Tensor | None:
     return table
 
 
+def mlp_product_builds(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether install_mlp's C SiLU gate product runs in `dtype` here: bfloat16 through torch's own
+    activations (silu_table), float32 with AVX2 and FMA (its own exponential)."""
+    if library() is None:
+        return False
+    if dtype == torch.bfloat16:
+        return silu_table() is not None
+    return dtype == torch.float32 and bool(library().silu_f32_vectorized())
+
+
 def _silu_mul(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     product = getattr(self.gate_proj, "product", None)  # fused_projections.fuse_gate_up's
     if product is not None and getattr(self.up_proj, "product", None) is product:
         gate_up = product.linear(x)
         cols = self.gate_proj.out_features
-        if _fast(gate_up) and gate_up.stride(-1) == 1 and gate_up.shape[-1] == 2 * cols:
+        if (_fast(gate_up, dtypes=(torch.bfloat16, torch.float32)) and gate_up.stride(-1) == 1
+                and gate_up.shape[-1] == 2 * cols and mlp_product_builds(gate_up.dtype)):
             flat = gate_up.reshape(-1, 2 * cols)
-            out = torch.empty(flat.shape[0], cols, dtype=torch.bfloat16)
-            library().silu_mul_rows_bf16(flat.data_ptr(), out.data_ptr(),
-                                         silu_table().data_ptr(), flat.shape[0], cols,
-                                         flat.stride(0))
+            out = torch.empty(flat.shape[0], cols, dtype=flat.dtype)
+            if flat.dtype == torch.bfloat16:
+                library().silu_mul_rows_bf16(flat.data_ptr(), out.data_ptr(),
+                                             silu_table().data_ptr(), flat.shape[0], cols,
+                                             flat.stride(0))
+            else:
+                library().silu_mul_rows_f32(flat.data_ptr(), out.data_ptr(), None,
+                                            flat.shape[0], cols, flat.stride(0))
             return self.down_proj(out.view(*x.shape[:-1], cols))
         gate, up = gate_up[..., :cols], gate_up[..., cols:]
         return self.down_proj(self.act_fn(gate) * up)
@@ -160,21 +178,19 @@ def _silu_mul(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(gate)
 
 
-def mlp_product_builds() -> bool:
-    """Whether install_mlp's C SiLU product can run here."""
-    return library() is not None and silu_table() is not None
-
-
 def install_mlp(model: nn.Module) -> int:
     """Route `model`'s Llama-style gated MLPs with a SiLU (`down(silu(gate(x)) * up(x))`,
-    Qwen2's and Mistral's included) through the one-pass C product where it runs in
-    bfloat16 on CPU; returns how many."""
+    Qwen2's and Mistral's included) through the one-pass C product where it runs on CPU:
+    in bfloat16, and in float32 where gate and up are one stacked product (a bfloat16
+    model computing in float32 over bfloat16 weights, bf16_weights.py; a float32 model
+    keeps torch's SiLU). Returns how many."""
     p = next(model.parameters())
-    if p.device.type != "cpu" or p.dtype != torch.bfloat16 or not mlp_product_builds():
+    if p.device.type != "cpu" or not mlp_product_builds(p.dtype):
         return 0
     mlps = 0
     for module in model.modules():
-        if gated_silu_mlp(module):
+        if gated_silu_mlp(module) and (p.dtype == torch.bfloat16 or getattr(
+                getattr(module, "gate_proj", None), "product", None) is not None):
             module.forward = types.MethodType(_silu_mul, module)
             mlps += 1
     return mlps

@@ -40,8 +40,9 @@ from pathlib import Path
 
 import torch
 
-from worker_service.kernels import (dpbf16_linear, fused_layers, fused_projections,
-                                    native_attention, native_build)
+from worker_service.kernels import (bf16_weights, dpbf16_linear, fused_layers,
+                                    fused_projections, native_attention, native_build)
+from worker_service.kernels.bf16_weights import Bf16WeightLinear
 from worker_service.kernels.linear_prepack import PrepackedLinear
 
 logger = logging.getLogger(__name__)
@@ -74,8 +75,11 @@ class _Segment(ctypes.Structure):
                 ("start", _I), ("row_stride", _I), ("head_stride", _I), ("ends", _P)]
 
 
-FUNCTIONS = {"step_layers": ([_P, _P, _P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _I],
-                             ctypes.c_int)}
+_STEP_ARGS = [_P, _P, _P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _I]
+# The call for each compute dtype: bfloat16 over dpbf16_linear's products, float32 over
+# bf16_weights' (a bfloat16 model on a CPU without native bfloat16).
+ENTRY = {torch.bfloat16: "step_layers_bf16", torch.float32: "step_layers_f32"}
+FUNCTIONS = {name: (_STEP_ARGS, ctypes.c_int) for name in ENTRY.values()}
 _SCRATCH = ("normed", "qkv", "q_rows", "attn", "product", "gate_up", "act")
 
 
@@ -98,8 +102,17 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _c_linear(module) -> PrepackedLinear | None:
-    return module if isinstance(module, PrepackedLinear) and module.c_product else None
+def _c_linear(module) -> PrepackedLinear | Bf16WeightLinear | None:
+    """`module` if it is a C product the call can run (dpbf16_linear's bfloat16 one, or
+    bf16_weights' float32 one), else None."""
+    if isinstance(module, PrepackedLinear) and module.c_product:
+        return module
+    return module if isinstance(module, Bf16WeightLinear) else None
+
+
+def _packed(module: PrepackedLinear | Bf16WeightLinear) -> torch.Tensor:
+    """The packed weight the C product reads."""
+    return module.packed if isinstance(module, Bf16WeightLinear) else module.packed_weight
 
 
 def _norm(call) -> tuple[torch.Tensor, float] | None:
@@ -108,12 +121,12 @@ def _norm(call) -> tuple[torch.Tensor, float] | None:
     if getattr(call, "__func__", None) is not fused_layers._rms_norm:
         return None
     w = getattr(module, "weight", None)
-    if w is None or w.dtype != torch.bfloat16 or not w.is_contiguous():
+    if w is None or w.dtype not in ENTRY or not w.is_contiguous():
         return None
     return w, float(module.variance_epsilon)
 
 
-def _stacked(slices) -> PrepackedLinear | None:
+def _stacked(slices) -> PrepackedLinear | Bf16WeightLinear | None:
     """The C product that `slices` (the q/k/v or gate/up ProductSlices, in order) cut
     into consecutive columns, else None."""
     if not all(isinstance(s, types.MethodType) and isinstance(s.__self__,
@@ -134,11 +147,12 @@ class _Pieces:
 
     input_norm: tuple[torch.Tensor, float]  # weight, epsilon
     post_norm: tuple[torch.Tensor, float]
-    qkv: PrepackedLinear
-    o: PrepackedLinear
-    gate_up: PrepackedLinear
-    down: PrepackedLinear
+    qkv: PrepackedLinear | Bf16WeightLinear
+    o: PrepackedLinear | Bf16WeightLinear
+    gate_up: PrepackedLinear | Bf16WeightLinear
+    down: PrepackedLinear | Bf16WeightLinear
     shape: tuple[int, int, int, int, int]  # _Shape's fields
+    dtype: torch.dtype  # what the layer computes in: its norms' and products' dtype
 
 
 def _pieces(layer) -> _Pieces | str:
@@ -175,24 +189,57 @@ def _pieces(layer) -> _Pieces | str:
             or layer.v_proj.__self__.hi - layer.k_proj.__self__.hi != kv_cols
             or qkv.in_features != hidden or gate_up.in_features != hidden):
         return "a layer's products do not chain"
+    dtype = input_norm[0].dtype
+    linears = (qkv, o, gate_up, down)
+    if (post_norm[0].dtype != dtype
+            or {type(m) for m in linears} != {PrepackedLinear if dtype == torch.bfloat16
+                                               else Bf16WeightLinear}
+            or any(m.bias is not None and m.bias.dtype != dtype for m in linears)):
+        return "a layer's norms and products do not compute in one dtype"
     return _Pieces(input_norm, post_norm, qkv, o, gate_up, down,
-                   (hidden, q_cols // dim, kv_cols // dim, dim, inter))
+                   (hidden, q_cols // dim, kv_cols // dim, dim, inter), dtype)
+
+
+def _libraries_load(dtype: torch.dtype) -> bool:
+    """Whether every library the call over layers of `dtype` runs is built."""
+    products = (dpbf16_linear.library() if dtype == torch.bfloat16
+                else bf16_weights.library())
+    return (library() is not None and products is not None
+            and fused_layers.library() is not None
+            and fused_layers.mlp_product_builds(dtype)
+            and native_attention.kernel() is not None)
+
+
+def _kernels(dtype: torch.dtype) -> _Kernels:
+    """The kernels the call runs for layers of `dtype` (step_layers.c's struct kernels):
+    those the per-layer calls run, so that the hidden states keep their bits."""
+    norms, tiled = fused_layers.library(), native_attention.tiled_kernel()
+    attention = native_attention.kernel()
+    if dtype == torch.bfloat16:
+        products = dpbf16_linear.library()
+        return _Kernels(
+            _pointer(norms.rms_norm_bf16), _pointer(products.linear_dpbf16),
+            _pointer(norms.rotary_bf16), _pointer(norms.silu_mul_rows_bf16),
+            _pointer(attention.decode_attention_bf16),
+            _pointer(attention.prompt_attention_bf16),
+            None if tiled is None else _pointer(tiled.prompt_attention_tiled_bf16),
+            native_attention.TILED_MIN_TOKENS, fused_layers.silu_table().data_ptr(),
+            _pointer(products.linear_silu_dpbf16), _pointer(products.linear_add_dpbf16))
+    return _Kernels(
+        _pointer(norms.rms_norm_f32), _pointer(bf16_weights.library().linear_bf16p),
+        _pointer(norms.rotary_f32), _pointer(norms.silu_mul_rows_f32),
+        _pointer(attention.decode_attention_f32), _pointer(attention.prompt_attention_f32),
+        None if tiled is None else _pointer(tiled.prompt_attention_tiled_f32),
+        native_attention.TILED_MIN_TOKENS, None, None, None)
 
 
 class StepLayers:
     """The C call over a layer loop's layers; `build` says whether they can take it."""
 
-    def __init__(self, layers: list[_Layer], shape: _Shape, keep: list):
-        lib, tiled = fused_layers.library(), native_attention.tiled_kernel()
-        self._kernels = _Kernels(
-            _pointer(lib.rms_norm_bf16), _pointer(dpbf16_linear.library().linear_dpbf16),
-            _pointer(lib.rotary_bf16), _pointer(lib.silu_mul_rows_bf16),
-            _pointer(native_attention.kernel().decode_attention_bf16),
-            _pointer(native_attention.kernel().prompt_attention_bf16),
-            None if tiled is None else _pointer(tiled.prompt_attention_tiled_bf16),
-            native_attention.TILED_MIN_TOKENS, fused_layers.silu_table().data_ptr(),
-            _pointer(dpbf16_linear.library().linear_silu_dpbf16),
-            _pointer(dpbf16_linear.library().linear_add_dpbf16))
+    def __init__(self, layers: list[_Layer], shape: _Shape, keep: list, dtype: torch.dtype):
+        self._kernels = _kernels(dtype)
+        self._entry = getattr(library(), ENTRY[dtype])
+        self.dtype = dtype
         self._layers = (_Layer * len(layers))(*layers)
         self._count = len(layers)
         self._shape = shape
@@ -211,17 +258,15 @@ class StepLayers:
         reason, pieces = None, []
         if not loop_layers:
             reason = "no layers"
-        elif (library() is None or dpbf16_linear.library() is None
-              or fused_layers.library() is None or fused_layers.silu_table() is None
-              or native_attention.kernel() is None):
-            reason = "a library is missing"
         elif [layer.index for layer in loop_layers] != list(range(len(loop_layers))):
             reason = "layer indices are not 0, 1, ..."
         else:
             pieces = [_pieces(layer) for layer in loop_layers]
             reason = next((p for p in pieces if isinstance(p, str)), None)
-            if reason is None and len({p.shape for p in pieces}) > 1:
-                reason = "layers of several shapes"
+            if reason is None and len({(p.shape, p.dtype) for p in pieces}) > 1:
+                reason = "layers of several shapes or dtypes"
+            elif reason is None and not _libraries_load(pieces[0].dtype):
+                reason = "a library is missing"
         if reason is not None:
             logger.info("steps call each layer from Python: %s", reason)
             return None
@@ -231,18 +276,19 @@ class StepLayers:
             keep += [w_in, w_post, p.qkv, p.o, p.gate_up, p.down]
             layers.append(_Layer(
                 _ptr(w_in), _ptr(w_post), eps_in, eps_post,
-                _ptr(p.qkv.packed_weight), _ptr(p.qkv.bias), _ptr(p.o.packed_weight),
-                _ptr(p.o.bias), _ptr(p.gate_up.packed_weight), _ptr(p.gate_up.bias),
-                _ptr(p.down.packed_weight), _ptr(p.down.bias), float(layer.scaling), 0))
-        return cls(layers, _Shape(*pieces[0].shape), keep)
+                _ptr(_packed(p.qkv)), _ptr(p.qkv.bias), _ptr(_packed(p.o)), _ptr(p.o.bias),
+                _ptr(_packed(p.gate_up)), _ptr(p.gate_up.bias), _ptr(_packed(p.down)),
+                _ptr(p.down.bias), float(layer.scaling), 0))
+        return cls(layers, _Shape(*pieces[0].shape), keep, pieces[0].dtype)
 
     def takes(self, batch, hidden: torch.Tensor, cos: torch.Tensor) -> bool:
         """Whether this step can take the call: decoding rows and prompts (no candidate
-        tree), bfloat16, every layer's attention in the native loops, autograd off."""
+        tree), in the layers' dtype, every layer's attention in the native loops, autograd
+        off."""
         from worker_service.packed_batch import DecodeSegment, RowSegment
 
-        if (hidden.dtype != torch.bfloat16 or hidden.device.type != "cpu"
-                or cos.dtype != torch.bfloat16 or cos.shape != (1, hidden.shape[1],
+        if (hidden.dtype != self.dtype or hidden.device.type != "cpu"
+                or cos.dtype != self.dtype or cos.shape != (1, hidden.shape[1],
                                                                 self._shape.dim)
                 or (torch.is_grad_enabled() and not torch.is_inference_mode_enabled())):
             return False
@@ -293,7 +339,7 @@ class StepLayers:
                          if decoding else
                          _Segment(1, seg.token_start, seg.num_tokens, 0, seg.start,
                                   keys[0].stride(0), keys[0].stride(1), None))
-        buffers = {name: torch.empty(tokens, width, dtype=torch.bfloat16)
+        buffers = {name: torch.empty(tokens, width, dtype=self.dtype)
                    for name, width in self._scratch_widths.items()}
         scratch = _Scratch(*(buffers[name].data_ptr() for name in _SCRATCH))
         keep = None
@@ -303,7 +349,7 @@ class StepLayers:
                 raise ValueError(f"rows must be strictly ascending token indices below "
                                  f"{tokens}, not {rows}")
             keep = (ctypes.c_int64 * len(rows))(*rows)
-        status = library().step_layers(
+        status = self._entry(
             ctypes.byref(self._kernels), ctypes.byref(sh), self._layers, self._count,
             out.data_ptr(), tokens, c.data_ptr(), s.data_ptr(), c_segs, nseg, k_ptrs, v_ptrs,
             ctypes.byref(scratch), keep, 0 if rows is None else len(rows))
