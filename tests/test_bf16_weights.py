@@ -16,10 +16,11 @@ pytestmark = pytest.mark.skipif(bf16_weights.library() is None,
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 13, 16, 17, 64, 129])
 @pytest.mark.parametrize("k,n,bias", [(576, 960, False), (100, 13, True), (7, 5, True),
-                                      (64, 48, True), (1536, 40, False)])
+                                      (64, 48, True), (1536, 40, False), (2821, 20, True)])
 def test_product_equals_the_float32_copys(rows, k, n, bias):
     """Every row rule (packed tiles up to 8 rows, widened blocks from 9; tiles of 4 and 6
-    rows with their remainders), columns that end inside a block, biases, strided inputs."""
+    rows with their remainders; blocks widened in pieces, the last one shorter; rows in
+    several chunks), columns that end inside a block, biases, strided inputs."""
     g = torch.Generator().manual_seed(rows * 1000 + k + n)
     linear = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
     with torch.no_grad():

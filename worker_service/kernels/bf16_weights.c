@@ -4,8 +4,9 @@
  * Built and loaded at run time by bf16_weights.py (plain C, no torch headers). A decoding
  * step's products have few rows, so their time is the weights' bytes: read as bfloat16
  * and widened in registers (exact), they cost half of what float32 weights do. A prompt's
- * products are arithmetic: each block of the weight is widened once per chunk of rows into
- * a float32 buffer that 6-row tiles of fused multiply-adds stream from cache. Every product
+ * products are arithmetic: each block of the weight is widened once per chunk of rows, a
+ * piece of positions at a time, into a float32 buffer that 6-row tiles of fused
+ * multiply-adds stream from cache (fma_tile.h). Every product
  * and sum is float32, so the result is that of the float32 copy of the weights up to the
  * order of the float32 sums.
  */
@@ -41,9 +42,11 @@ int bf16w_vectorized(void) { return 1; }
  * and 6-row tiles stream it from cache, at 130-170 GFLOP/s against 98-115 for the packed
  * loop, and 1.0-1.7x oneDNN's prepacked float32 product (2 threads, AVX2 EPYC). */
 #define PACKED_ROWS 8
-/* Bytes of input rows one chunk holds: they stay in L2 while each of a thread's blocks
- * passes over them. */
-#define CHUNK_BYTES (256 * 1024)
+/* Bytes of input rows one chunk holds at most: they stay in L2 (512 KiB a core on Zen 3)
+ * while each of a thread's blocks passes over them, beside the piece of the block being
+ * widened (KC). Against 256 KiB chunks over whole widened blocks: 1.1-1.2x on qwen2-gqa's
+ * products (k = 1024, 2816) at 64 rows, as fast on SmolLM2's (k = 576, 1536). */
+#define CHUNK_BYTES (448 * 1024)
 
 /* Columns 0-7 and 8-15 of position i of a packed block, as float32. */
 #define UNPACK(w, i, lo, hi)                                                        \
@@ -85,16 +88,7 @@ tile_packed(const float *a, int64_t as, const uint16_t *w, int64_t k, const int 
     store_tile(c, mr, bias, y, n, c0);
 }
 
-/* Rows [0, mr) of x times one block widened to float32, wide[i][16] (columns in order). */
-static inline __attribute__((always_inline)) void
-tile_wide(const float *x, int64_t xs, const float *wide, int64_t k, const int mr,
-          const float *bias, float *y, int64_t n, int64_t c0) {
-    float sums[16 * MR];
-    fma_tile(x, xs, wide, 16, k, mr, sums, 16);
-    store_tile(sums, mr, bias, y, n, c0);
-}
-
-/* Block w (packed) widened into wide[k][16]. */
+/* Positions [0, k) of block w (packed) widened into wide[k][16]. */
 static void widen_block(const uint16_t *w, int64_t k, float *wide) {
     const __m256i zero = _mm256_setzero_si256();
     for (int64_t i = 0; i < k; i++) {
@@ -104,33 +98,49 @@ static void widen_block(const uint16_t *w, int64_t k, float *wide) {
     }
 }
 
+/* Most positions of a widened piece of a block (40 KiB of float32): a longer block is cut
+ * into pieces of equal length, each widened and passed over by the chunk's row tiles while
+ * it stays in cache, so that the chunk's rows can take most of L2 (CHUNK_BYTES). */
+#define KC 640
 /* Rows [r0, r1) of x times block b: 4-row tiles over the packed weight, or (wide set)
- * 6-row tiles over its widened copy. */
-static void block_rows(const float *x, int64_t xs, const uint16_t *w, const float *wide,
+ * 6-row tiles over its widened copy, a piece of at most KC positions at a time (the sums
+ * wait in acc between pieces: stored and loaded as they are, so the same bits). */
+static void block_rows(const float *x, int64_t xs, const uint16_t *w, float *wide, float *acc,
                        int64_t k, int64_t r0, int64_t r1, const float *bias, float *y,
                        int64_t n, int64_t c0) {
+    if (wide) {
+        const int64_t pieces = (k + KC - 1) / KC, piece = (k + pieces - 1) / pieces;
+        for (int64_t i0 = 0; i0 < k; i0 += piece) {
+            const int64_t kk = k - i0 < piece ? k - i0 : piece;
+            widen_block(w + i0 * 16, kk, wide);
+            for (int64_t r = r0; r < r1; r += MR) {
+                const float *xr = x + r * xs + i0;
+                float *a = acc + (r - r0) * 16;
+                const int first = i0 == 0;
+                switch (r1 - r < MR ? r1 - r : MR) {
+                case 6: fma_tile_more(xr, xs, wide, 16, kk, 6, a, 16, first); break;
+                case 5: fma_tile_more(xr, xs, wide, 16, kk, 5, a, 16, first); break;
+                case 4: fma_tile_more(xr, xs, wide, 16, kk, 4, a, 16, first); break;
+                case 3: fma_tile_more(xr, xs, wide, 16, kk, 3, a, 16, first); break;
+                case 2: fma_tile_more(xr, xs, wide, 16, kk, 2, a, 16, first); break;
+                default: fma_tile_more(xr, xs, wide, 16, kk, 1, a, 16, first); break;
+                }
+            }
+        }
+        for (int64_t r = r0; r < r1; r += MR)
+            store_tile(acc + (r - r0) * 16, r1 - r < MR ? r1 - r : MR, bias, y + r * n, n, c0);
+        return;
+    }
     for (; r0 < r1;) {
         const float *xr = x + r0 * xs;
         float *yr = y + r0 * n;
-        if (wide) {
-            switch (r1 - r0 < MR ? r1 - r0 : MR) {
-            case 6: tile_wide(xr, xs, wide, k, 6, bias, yr, n, c0); break;
-            case 5: tile_wide(xr, xs, wide, k, 5, bias, yr, n, c0); break;
-            case 4: tile_wide(xr, xs, wide, k, 4, bias, yr, n, c0); break;
-            case 3: tile_wide(xr, xs, wide, k, 3, bias, yr, n, c0); break;
-            case 2: tile_wide(xr, xs, wide, k, 2, bias, yr, n, c0); break;
-            default: tile_wide(xr, xs, wide, k, 1, bias, yr, n, c0); break;
-            }
-            r0 += MR;
-        } else {
-            switch (r1 - r0 < MR_PACKED ? r1 - r0 : MR_PACKED) {
-            case 4: tile_packed(xr, xs, w, k, 4, bias, yr, n, c0); break;
-            case 3: tile_packed(xr, xs, w, k, 3, bias, yr, n, c0); break;
-            case 2: tile_packed(xr, xs, w, k, 2, bias, yr, n, c0); break;
-            default: tile_packed(xr, xs, w, k, 1, bias, yr, n, c0); break;
-            }
-            r0 += MR_PACKED;
+        switch (r1 - r0 < MR_PACKED ? r1 - r0 : MR_PACKED) {
+        case 4: tile_packed(xr, xs, w, k, 4, bias, yr, n, c0); break;
+        case 3: tile_packed(xr, xs, w, k, 3, bias, yr, n, c0); break;
+        case 2: tile_packed(xr, xs, w, k, 2, bias, yr, n, c0); break;
+        default: tile_packed(xr, xs, w, k, 1, bias, yr, n, c0); break;
         }
+        r0 += MR_PACKED;
     }
 }
 
@@ -145,7 +155,13 @@ int linear_bf16p(const float *x, const uint16_t *p, const float *bias, float *y,
     const int64_t blocks = (n + 15) / 16;
     const int widened = rows > PACKED_ROWS;
     int64_t chunk = CHUNK_BYTES / (k * (int64_t)sizeof(float)) / MR * MR;
-    chunk = !widened ? rows : chunk < MR ? MR : chunk;
+    chunk = chunk < MR ? MR : chunk;
+    if (widened) { /* chunks of about equal rows, each a multiple of 6 but the last */
+        const int64_t count = (rows + chunk - 1) / chunk;
+        chunk = ((rows + count - 1) / count + MR - 1) / MR * MR;
+    } else {
+        chunk = rows;
+    }
     const int64_t chunks = (rows + chunk - 1) / chunk;
     const int parallel = rows * n * k >= 65536;
     struct shares shares;
@@ -155,8 +171,8 @@ int linear_bf16p(const float *x, const uint16_t *p, const float *bias, float *y,
     int status = 0;
 #pragma omp parallel if (parallel)
     {
-        float *wide = widened ? aligned_alloc(64, (size_t)((k * 16 * sizeof(float) + 63) / 64 * 64))
-                              : NULL;
+        float *wide = widened ? aligned_alloc(64, (size_t)(KC + chunk) * 16 * sizeof(float)) : NULL;
+        float *acc = wide ? wide + KC * 16 : NULL;
         if (widened && !wide) {
 #pragma omp atomic write
             status = -2;
@@ -170,9 +186,7 @@ int linear_bf16p(const float *x, const uint16_t *p, const float *bias, float *y,
             const int64_t b = lo + u % mine, r0 = u / mine * chunk;
             const int64_t r1 = rows - r0 < chunk ? rows : r0 + chunk;
             const uint16_t *w = p + b * k * 16;
-            if (wide)
-                widen_block(w, k, wide);
-            block_rows(x, xs, w, wide, k, r0, r1, bias, y, n, b * 16);
+            block_rows(x, xs, w, wide, acc, k, r0, r1, bias, y, n, b * 16);
         }
         free(wide);
     }

@@ -29,17 +29,32 @@
         _mm256_storeu_ps(c + m * cs + 8, s1##m);                                     \
     }
 
-/* c[m][0..16) = sum over i < n of a[m * as + i] * b[i * bs + 0..16), for m < mr <= 6; row
- * m of c at c + m * cs. */
+#define FMA_LOAD(m)                                                                  \
+    if (mr > m && !first) {                                                          \
+        s0##m = _mm256_loadu_ps(c + m * cs);                                         \
+        s1##m = _mm256_loadu_ps(c + m * cs + 8);                                     \
+    }
+
+/* c[m][0..16) = sum over i < n of a[m * as + i] * b[i * bs + 0..16), for m < mr <= 6, row
+ * m of c at c + m * cs; unless `first`, the sums continue from c's values (stored and
+ * loaded as they are: a sum split over several calls has the bits of one call's). */
 static inline __attribute__((always_inline)) void
-fma_tile(const float *a, int64_t as, const float *b, int64_t bs, int64_t n, const int mr,
-         float *c, int64_t cs) {
+fma_tile_more(const float *a, int64_t as, const float *b, int64_t bs, int64_t n, const int mr,
+              float *c, int64_t cs, const int first) {
     FMA_SUMS(0) FMA_SUMS(1) FMA_SUMS(2) FMA_SUMS(3) FMA_SUMS(4) FMA_SUMS(5)
+    FMA_LOAD(0) FMA_LOAD(1) FMA_LOAD(2) FMA_LOAD(3) FMA_LOAD(4) FMA_LOAD(5)
     for (int64_t i = 0; i < n; i++) {
         const __m256 lo = _mm256_loadu_ps(b + i * bs), hi = _mm256_loadu_ps(b + i * bs + 8);
         FMA_STEP(0) FMA_STEP(1) FMA_STEP(2) FMA_STEP(3) FMA_STEP(4) FMA_STEP(5)
     }
     FMA_KEEP(0) FMA_KEEP(1) FMA_KEEP(2) FMA_KEEP(3) FMA_KEEP(4) FMA_KEEP(5)
+}
+
+/* fma_tile_more from zero. */
+static inline __attribute__((always_inline)) void
+fma_tile(const float *a, int64_t as, const float *b, int64_t bs, int64_t n, const int mr,
+         float *c, int64_t cs) {
+    fma_tile_more(a, as, b, bs, n, mr, c, cs, 1);
 }
 
 /* fma_tile over rows [0, rows) of a, 6 at a time, with mr a constant in each call so

@@ -1,4 +1,5 @@
-"""A bfloat16 step's decoder layers in one C call (`step_layers.c`).
+"""A step's decoder layers in one C call (`step_layers.c`): in bfloat16, or in float32 over
+packed bfloat16 weights (a bfloat16 model on a CPU without native bfloat16, bf16_weights.py).
 
 The layer loop (layer_loop.py) runs every layer's arithmetic in C loops already, but calls
 each through Python: per layer a norm, the stacked q/k/v product, two rotary passes, the
@@ -17,15 +18,22 @@ megabytes of a long prompt's intermediate products are never written out and rea
 On AMX a 2048-token SmolLM2 prefill went from 435 to 400 ms (the SiLU) and 381 ms (the
 adds), medians of three alternated runs; at 512 tokens the change was within the noise.
 
+In float32 the products are bf16_weights.c's, the SiLU gate product fused_layers.c's own
+float32 loop (which the model's MLPs then run in every path, so that the call keeps the
+per-layer calls' bits), and the attention the float32 loops of native_attention.c and
+prompt_attention.c. On an AVX2 EPYC (2 threads) SmolLM2's steps ran 1.77x as fast at one
+decoding row, 1.33x at 16, 1.21x at 64, and 1.10x on prefills of 1 x 512 and 4 x 128
+tokens (`python -m bench.step_ab ... --change layers`, medians of 5 alternated rounds).
+
 Given the rows the caller reads (the tokens a step samples from), the last layer of every
 other token stops once its keys and values are in the cache: a prompt token's last-layer
 output is never read. On this project's EPYC a prefill ran 1.01-1.03x faster on
 SmolLM2 (30 layers), 1.05-1.06x on qwen2-gqa (16) and 1.10-1.13x on mid (8).
 
 It takes steps of decoding rows and prompts (whole or in chunks, after a cached prefix),
-not contrastive search's candidate trees, and only layers built from the pieces it calls:
-C norms, q/k/v and gate/up stacked into C products, the C output and down products, the C
-rotary embedding, and attention the native loops compute. `SEQSERVE_STEP_LAYERS=0` keeps
+not contrastive search's candidate trees, and only layers built from the pieces it calls,
+all in one dtype: C norms, q/k/v and gate/up stacked into C products, the C output and
+down products, the C rotary embedding, and attention the native loops compute. `SEQSERVE_STEP_LAYERS=0` keeps
 the per-layer calls.
 """
 
