@@ -833,7 +833,7 @@ int prompt_attention_tiled_f32(const float *q, const float *k, const float *v, f
                     to[d * 16 + j] = written ? key[d] : 0.f;
             }
         }
-        float *s = malloc(sizeof(float) * (size_t)(F32_TILE_ROWS * (span + 16) + F32_TILE_ROWS * dim));
+        float *s = malloc(sizeof(float) * (size_t)(F32_TILE_ROWS * (span + 16 + dim)));
         if (!s) {
 #pragma omp atomic write
             status = -2;

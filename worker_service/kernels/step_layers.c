@@ -4,9 +4,10 @@
  *
  * Built and loaded at run time by step_layers.py (plain C, no torch headers). The
  * worker's layer loop (layer_loop.py) already runs every layer's arithmetic in C (the
- * norms and rotary embedding of fused_layers.c, the products of dpbf16_linear.c, the
- * attention of native_attention.c and prompt_attention.c) but reaches each through Python: about 6 ms
- * of a 30-layer SmolLM2 step of one row, whose weights take about 10 ms to stream. This
+ * norms and rotary embedding of fused_layers.c, the products of dpbf16_linear.c or
+ * bf16_weights.c, the attention of native_attention.c and prompt_attention.c) but reaches
+ * each through Python: about 6 ms of a 30-layer SmolLM2 step of one row, whose weights
+ * take about 10 ms to stream. This
  * file calls the same compiled functions, passed in as pointers from the libraries the
  * layer loop loads, with the same arguments in the same order, so the hidden states keep
  * their bits; the glue between them (the two residual adds, the prompts' KV writes, and

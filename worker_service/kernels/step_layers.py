@@ -33,8 +33,8 @@ SmolLM2 (30 layers), 1.05-1.06x on qwen2-gqa (16) and 1.10-1.13x on mid (8).
 It takes steps of decoding rows and prompts (whole or in chunks, after a cached prefix),
 not contrastive search's candidate trees, and only layers built from the pieces it calls,
 all in one dtype: C norms, q/k/v and gate/up stacked into C products, the C output and
-down products, the C rotary embedding, and attention the native loops compute. `SEQSERVE_STEP_LAYERS=0` keeps
-the per-layer calls.
+down products, the C rotary embedding, and attention the native loops compute.
+`SEQSERVE_STEP_LAYERS=0` keeps the per-layer calls.
 """
 
 from __future__ import annotations

@@ -3,31 +3,30 @@
  * FN(name) (the name with the type's suffix) defined, and FN(add_into) written for the
  * type. The products' weights are packed bfloat16 in either. */
 /* The kernels, as the other libraries define them. */
-typedef void (*FN(rms_norm_fn))(const ELEM *x, const ELEM *w, ELEM *y, int64_t rows,
-                            int64_t n, int64_t x_stride, int64_t y_stride, float eps);
-typedef int (*FN(linear_fn))(const ELEM *x, const uint16_t *p, const ELEM *bias,
-                         ELEM *y, int64_t rows, int64_t n, int64_t k, int64_t xs);
-typedef void (*FN(rotary_fn))(const ELEM *x, ELEM *y, const ELEM *cos,
-                          const ELEM *sin, int64_t heads, int64_t tokens, int64_t dim,
-                          int64_t head_stride, int64_t token_stride, int64_t y_head_stride,
-                          int64_t y_token_stride);
-typedef int (*FN(linear_silu_fn))(const ELEM *x, const uint16_t *p, const ELEM *bias,
-                              ELEM *out, int64_t rows, int64_t inter, int64_t k, int64_t xs,
-                              const float *silu);
-typedef int (*FN(linear_add_fn))(const ELEM *x, const uint16_t *p, const ELEM *bias,
-                             ELEM *y, int64_t rows, int64_t n, int64_t k, int64_t xs);
-typedef void (*FN(silu_rows_fn))(const ELEM *gu, ELEM *out, const float *silu,
-                             int64_t rows, int64_t cols, int64_t stride);
-typedef int (*FN(prompt_fn))(const ELEM *q, const ELEM *k, const ELEM *v,
-                         ELEM *out, int64_t start, int64_t tokens, int64_t heads,
-                         int64_t kv_heads, int64_t dim, int64_t head_stride, float scale,
-                         int64_t window);
-typedef int (*FN(decode_fn))(const ELEM *q, ELEM *k, ELEM *v, ELEM *out,
-                         const int64_t *lengths, int64_t rows, int64_t heads,
-                         int64_t kv_heads, int64_t dim, int64_t row_stride,
-                         int64_t head_stride, float scale, int64_t window, int64_t max_len,
-                         const ELEM *new_k, const ELEM *new_v,
-                         int64_t new_row_stride, int64_t new_head_stride);
+typedef void (*FN(rms_norm_fn))(const ELEM *x, const ELEM *w, ELEM *y, int64_t rows, int64_t n,
+                                int64_t x_stride, int64_t y_stride, float eps);
+typedef int (*FN(linear_fn))(const ELEM *x, const uint16_t *p, const ELEM *bias, ELEM *y,
+                             int64_t rows, int64_t n, int64_t k, int64_t xs);
+typedef void (*FN(rotary_fn))(const ELEM *x, ELEM *y, const ELEM *cos, const ELEM *sin,
+                              int64_t heads, int64_t tokens, int64_t dim, int64_t head_stride,
+                              int64_t token_stride, int64_t y_head_stride,
+                              int64_t y_token_stride);
+typedef int (*FN(linear_silu_fn))(const ELEM *x, const uint16_t *p, const ELEM *bias, ELEM *out,
+                                  int64_t rows, int64_t inter, int64_t k, int64_t xs,
+                                  const float *silu);
+typedef int (*FN(linear_add_fn))(const ELEM *x, const uint16_t *p, const ELEM *bias, ELEM *y,
+                                 int64_t rows, int64_t n, int64_t k, int64_t xs);
+typedef void (*FN(silu_rows_fn))(const ELEM *gu, ELEM *out, const float *silu, int64_t rows,
+                                 int64_t cols, int64_t stride);
+typedef int (*FN(prompt_fn))(const ELEM *q, const ELEM *k, const ELEM *v, ELEM *out,
+                             int64_t start, int64_t tokens, int64_t heads, int64_t kv_heads,
+                             int64_t dim, int64_t head_stride, float scale, int64_t window);
+typedef int (*FN(decode_fn))(const ELEM *q, ELEM *k, ELEM *v, ELEM *out, const int64_t *lengths,
+                             int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
+                             int64_t row_stride, int64_t head_stride, float scale,
+                             int64_t window, int64_t max_len, const ELEM *new_k,
+                             const ELEM *new_v, int64_t new_row_stride,
+                             int64_t new_head_stride);
 
 /* Mirrored by ctypes Structures in step_layers.py: keep the field order. */
 struct FN(kernels) {
@@ -89,11 +88,11 @@ struct FN(scratch) {
     ELEM *act;     /* [tokens, inter] */
 };
 
-/* h [rows, n] = bfloat16(h + x p): one pass where the kernels have one, else the product
- * into `product` and add_into (the same bits). */
+/* h [rows, n] = h + x p, rounded to ELEM: one pass where the kernels have one, else the
+ * product into `product` and add_into (the same bits). */
 static int FN(product_add)(const struct FN(kernels) *kn, const ELEM *x, const uint16_t *p,
-                       const ELEM *bias, ELEM *h, ELEM *product, int64_t rows,
-                       int64_t n, int64_t k) {
+                           const ELEM *bias, ELEM *h, ELEM *product, int64_t rows, int64_t n,
+                           int64_t k) {
     if (kn->linear_add && kn->linear_add(x, p, bias, h, rows, n, k, k) == 0)
         return 0;
     const int status = kn->linear(x, p, bias, product, rows, n, k, k);
@@ -106,8 +105,8 @@ static int FN(product_add)(const struct FN(kernels) *kn, const ELEM *x, const ui
  * from column qc, values kc after them, kv_heads x dim each) into its row's slots start..
  * of k, v (the row's buffers). */
 static void FN(write_prompt_kv)(const struct FN(segment) *S, const ELEM *qkv, int64_t width,
-                            int64_t qc, int64_t kc, int64_t kvh, int64_t dim, ELEM *k,
-                            ELEM *v) {
+                                int64_t qc, int64_t kc, int64_t kvh, int64_t dim, ELEM *k,
+                                ELEM *v) {
     const size_t bytes = (size_t)dim * sizeof(ELEM);
     for (int64_t h = 0; h < kvh; h++)
         for (int64_t t = 0; t < S->rows; t++) {
@@ -123,9 +122,9 @@ static void FN(write_prompt_kv)(const struct FN(segment) *S, const ELEM *qkv, in
  * does not take the shape. Either gives each query the bits it has in any piece of its
  * prompt (prompt_attention.c), so a piece of a segment is attended as in the whole. */
 static int FN(attend_prompt)(const struct FN(kernels) *kn, const struct FN(layer) *L,
-                         const struct FN(segment) *S, const struct FN(scratch) *s, const ELEM *k,
-                         const ELEM *v, int64_t qc, int64_t kvh, int64_t dim, int64_t t,
-                         int64_t n) {
+                             const struct FN(segment) *S, const struct FN(scratch) *s,
+                             const ELEM *k, const ELEM *v, int64_t qc, int64_t kvh, int64_t dim,
+                             int64_t t, int64_t n) {
     const int64_t heads = qc / dim, start = S->start + t - S->token_start;
     int status = -1;
     if (S->rows >= kn->tiled_min_tokens && kn->prompt_tiled)
@@ -137,17 +136,18 @@ static int FN(attend_prompt)(const struct FN(kernels) *kn, const struct FN(layer
     return status;
 }
 
-/* hidden [tokens, hidden] (bfloat16, updated in place) through `count` decoder layers:
+/* hidden [tokens, hidden] (ELEM, updated in place) through `count` decoder layers:
  * cos, sin [tokens, dim]; k_ptrs / v_ptrs [count][segments] each segment's KV buffer of
  * that layer from its (first) row on. keep (NULL: every row) lists, ascending, the nkeep
  * rows whose last-layer states the caller reads: those end in hidden's first nkeep rows (in
  * that order, with the bits they have when every row runs), the others' last layer is left
  * out but for its keys and values. Returns 0, or the first kernel's non-zero status. */
-int FN(step_layers)(const struct FN(kernels) *kn, const struct FN(shape) *sh, const struct FN(layer) *layers,
-                int64_t count, ELEM *hidden, int64_t tokens, const ELEM *cos,
-                const ELEM *sin, const struct FN(segment) *segments, int64_t nseg,
-                ELEM *const *k_ptrs, ELEM *const *v_ptrs, const struct FN(scratch) *s,
-                const int64_t *keep, int64_t nkeep) {
+int FN(step_layers)(const struct FN(kernels) *kn, const struct FN(shape) *sh,
+                    const struct FN(layer) *layers, int64_t count, ELEM *hidden,
+                    int64_t tokens, const ELEM *cos, const ELEM *sin,
+                    const struct FN(segment) *segments, int64_t nseg, ELEM *const *k_ptrs,
+                    ELEM *const *v_ptrs, const struct FN(scratch) *s, const int64_t *keep,
+                    int64_t nkeep) {
     const int64_t H = sh->hidden, heads = sh->heads, kvh = sh->kv_heads, dim = sh->dim;
     const int64_t qc = heads * dim, kc = kvh * dim, width = qc + 2 * kc, inter = sh->inter;
     for (int64_t l = 0; l < count; l++) {
