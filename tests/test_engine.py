@@ -437,7 +437,7 @@ def test_float32_prompt_attention_reads_only_written_slots_and_gives_whole_promp
     values = torch.randn(keys.shape, generator=g)
     keys[:, :, start + tokens:] = values[:, :, start + tokens:] = float("nan")
     query = torch.randn(tokens, heads, dim, generator=g)
-    assert native_attention.supports_prompt(query, keys, values)
+    assert native_attention.supports(query, keys, values)
     got = native_attention.attend_prompt(query, keys, values, row, start, 0.3, window)
     want = _causal_sdpa(query, keys, values, row, start, 0.3, window, torch.float64)
     assert got.dtype == torch.float32 and (got.double() - want).abs().max() < 1e-5

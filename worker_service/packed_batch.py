@@ -228,7 +228,7 @@ class PackedBatch:
                 continue
             k_buf, v_buf = seg.group.keys[layer], seg.group.values[layer]
             if (not seg.tree and spec.native
-                    and native_attention.supports_prompt(query, k_buf, v_buf)):
+                    and native_attention.supports(query, k_buf, v_buf)):
                 # Causal over the row's slots, prefix and window included: the C loop
                 # reads the keys this segment just wrote (2.4x SDPA's speed at 512 tokens).
                 out[0, a:b] = native_attention.attend_prompt(

@@ -3,6 +3,7 @@
 #ifndef SEQSERVE_BF16_H
 #define SEQSERVE_BF16_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -31,6 +32,17 @@ static inline float hsum8(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+/* The largest of v's 8 lanes, compared one at a time (a NaN lane is passed over; -inf
+ * where every lane is -inf or NaN). */
+static inline float hmax8(__m256 v) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, v);
+    float top = -INFINITY;
+    for (int i = 0; i < 8; i++)
+        top = lanes[i] > top ? lanes[i] : top;
+    return top;
 }
 
 /* exp(x) for x <= 0, 8 lanes, as exp_le0 below: x = n ln2 + r, degree-6 Taylor

@@ -130,11 +130,7 @@ attend_one_f32_avx2(const float *qh, const float *kh, const float *vh, float *o,
         _mm256_storeu_ps(scores + s, dots);
         best = _mm256_max_ps(best, dots);
     }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, best);
-    float top = -INFINITY;
-    for (int i = 0; i < 8; i++)
-        top = lanes[i] > top ? lanes[i] : top;
+    float top = hmax8(best);
     for (; s < n; s++) {
         const float *ks = kh + s * dim;
         __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(ks));
@@ -150,6 +146,7 @@ attend_one_f32_avx2(const float *qh, const float *kh, const float *vh, float *o,
         _mm256_storeu_ps(scores + s, e);
         totv = _mm256_add_ps(totv, e);
     }
+    float lanes[8];
     _mm256_storeu_ps(lanes, totv);
     float total = 0.f;
     for (int i = 0; i < 8; i++)

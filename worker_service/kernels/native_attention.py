@@ -109,7 +109,7 @@ def tiled_kernel() -> ctypes.CDLL | None:
 
 
 def supports(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether this query and these KV buffers can take the native decoding path:
+    """Whether this query and these KV buffers can take the native loops (decoding and prompts):
     bfloat16, or float32 (a model computing in float32), query and KV of one dtype."""
     return (query.device.type == "cpu" and query.dtype in DECODE
             and keys.dtype == query.dtype
@@ -117,11 +117,6 @@ def supports(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> b
             and keys.is_contiguous()
             and values.shape == keys.shape and values.is_contiguous()
             and kernel() is not None)
-
-
-def supports_prompt(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether a prompt can take the native path: as `supports`."""
-    return supports(query, keys, values)
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_start: int,

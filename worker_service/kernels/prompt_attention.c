@@ -55,6 +55,15 @@
 #define TILE_ROWS 24 /* (token, head) rows per tile, at least one token's heads */
 #define MIN_PAIRS_PER_THREAD 16
 
+/* Unit u of a call's tiles x kv_heads units: its tokens [*t0, *t1) and KV head *h, the
+ * last tiles (which see the most slots) dealt out first. */
+static inline void dealt_tile(int64_t u, int64_t tiles, int64_t kv_heads, int64_t tile,
+                              int64_t tokens, int64_t *t0, int64_t *t1, int64_t *h) {
+    *t0 = (tiles - 1 - u / kv_heads) * tile;
+    *t1 = *t0 + tile < tokens ? *t0 + tile : tokens;
+    *h = u % kv_heads;
+}
+
 #ifdef HAVE_AVX512_BF16
 
 static inline uint32_t pair_at(const uint16_t *p) {
@@ -676,11 +685,10 @@ int prompt_attention_tiled_bf16(const uint16_t *q, const uint16_t *k, const uint
 #pragma omp atomic write
             status = -2;
         }
-        /* The last tiles see the most slots: deal them out first. */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < tiles * kv_heads; u++) {
-            const int64_t t0 = (tiles - 1 - u / kv_heads) * tile, h = u % kv_heads;
-            const int64_t t1 = t0 + tile < tokens ? t0 + tile : tokens;
+            int64_t t0, t1, h;
+            dealt_tile(u, tiles, kv_heads, tile, tokens, &t0, &t1, &h);
             if (!(s && p))
                 continue;
 #ifdef HAVE_AMX
@@ -762,12 +770,7 @@ static void attend_tile_f32(const float *q, float *out, const float *kp, const f
             _mm256_storeu_ps(sr + c, x);
             top = _mm256_max_ps(top, x);
         }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, top);
-        float best = -INFINITY;
-        for (int i = 0; i < 8; i++)
-            best = lanes[i] > best ? lanes[i] : best;
-        const __m256 bv = _mm256_set1_ps(best);
+        const __m256 bv = _mm256_set1_ps(hmax8(top));
         __m256 total = _mm256_setzero_ps();
         for (int64_t c = 0; c < width; c += 8) {
             const __m256 e = exp8_le0(_mm256_sub_ps(_mm256_loadu_ps(sr + c), bv));
@@ -838,11 +841,10 @@ int prompt_attention_tiled_f32(const float *q, const float *k, const float *v, f
 #pragma omp atomic write
             status = -2;
         }
-        /* The last tiles see the most slots: deal them out first. */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < tiles * kv_heads; u++) {
-            const int64_t t0 = (tiles - 1 - u / kv_heads) * tile, h = u % kv_heads;
-            const int64_t t1 = t0 + tile < tokens ? t0 + tile : tokens;
+            int64_t t0, t1, h;
+            dealt_tile(u, tiles, kv_heads, tile, tokens, &t0, &t1, &h);
             if (s)
                 attend_tile_f32(q, out, kp + h * per_head, v + h * head_stride, base, start,
                                 t0, t1, h, heads, group, dim, scale, window, s,
