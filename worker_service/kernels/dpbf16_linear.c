@@ -126,6 +126,16 @@ tile(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t second, int64_t k
      const int mr, const int nbk, const uint16_t *bias, uint16_t *y, int64_t n, int64_t col0,
      const int prefetch, const struct ahead *ahead, enum epilogue how, const float *silu) {
     int64_t fetch_at = prefetch ? ahead->phase : -1;
+    /* An ADD tile's epilogue reads y: fetched now, those reads hit cache instead of each
+     * tile stalling on them at its end (o and down of SmolLM2 at 2048 rows: 1.2x and
+     * 1.08x); up to PREFETCH_ROWS rows y is small and the fetching cost 2-4% */
+    if (how == ADD && !prefetch)
+        for (int m = 0; m < mr; m++) {
+            const char *row = (const char *)(y + m * n + col0);
+            for (int at = 0; at < nbk * 32; at += 64)
+                _mm_prefetch(row + at, _MM_HINT_T0);
+            _mm_prefetch(row + nbk * 32 - 1, _MM_HINT_T0);
+        }
     __m512 acc[MR][NB];
     for (int m = 0; m < mr; m++)
         for (int b = 0; b < nbk; b++)
