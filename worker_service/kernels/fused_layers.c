@@ -74,6 +74,38 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t ro
     }
 }
 
+#ifdef HAVE_AVX512_BF16
+#define ROTARY_MAX_HALF 256
+/* One token's heads: its cos and sin halves widened once (sin's first half negated: the
+ * rotate_half sign) and reused by every head. */
+static inline void rotary_token_bf16(const uint16_t *x, uint16_t *y, const uint16_t *c,
+                                     const uint16_t *s, int64_t heads, int64_t half,
+                                     int64_t head_stride, int64_t y_head_stride) {
+    __m512 cl[ROTARY_MAX_HALF / 16], ch[ROTARY_MAX_HALF / 16], sl[ROTARY_MAX_HALF / 16],
+        sh[ROTARY_MAX_HALF / 16];
+    const int64_t v = half / 16;
+    for (int64_t j = 0; j < v; j++) {
+        cl[j] = load16(c + 16 * j);
+        ch[j] = load16(c + half + 16 * j);
+        sl[j] = _mm512_sub_ps(_mm512_setzero_ps(), load16(s + 16 * j));
+        sh[j] = load16(s + half + 16 * j);
+    }
+    for (int64_t h = 0; h < heads; h++) {
+        const uint16_t *xr = x + h * head_stride;
+        uint16_t *yr = y + h * y_head_stride;
+        for (int64_t j = 0; j < v; j++) {
+            const __m512 a = load16(xr + 16 * j), b = load16(xr + half + 16 * j);
+            const __m512 lo = _mm512_add_ps(round16(_mm512_mul_ps(a, cl[j])),
+                                            round16(_mm512_mul_ps(b, sl[j])));
+            const __m512 hi = _mm512_add_ps(round16(_mm512_mul_ps(b, ch[j])),
+                                            round16(_mm512_mul_ps(a, sh[j])));
+            store16(yr + 16 * j, lo);
+            store16(yr + half + 16 * j, hi);
+        }
+    }
+}
+#endif
+
 /* As transformers' apply_rotary_pos_emb in bfloat16: x * cos + rotate_half(x) * sin, each
  * product and the sum rounded to bfloat16. x [heads, tokens, dim] with strides
  * (head_stride, token_stride, 1); y the same shape with strides (y_head_stride,
@@ -82,6 +114,17 @@ void rotary_bf16(const uint16_t *x, uint16_t *y, const uint16_t *cos, const uint
                  int64_t heads, int64_t tokens, int64_t dim, int64_t head_stride,
                  int64_t token_stride, int64_t y_head_stride, int64_t y_token_stride) {
     const int64_t half = dim / 2;
+#ifdef HAVE_AVX512_BF16
+    /* Tokens outermost, each token's cos and sin widened once for all its heads: 1.1-1.25x
+     * the loop below over (token, head) pairs at 2048 tokens of SmolLM2's 9 heads */
+    if (half % 16 == 0 && half <= ROTARY_MAX_HALF) {
+#pragma omp parallel for schedule(static) if (heads * tokens * dim >= MIN_PARALLEL)
+        for (int64_t t = 0; t < tokens; t++)
+            rotary_token_bf16(x + t * token_stride, y + t * y_token_stride, cos + t * dim,
+                              sin + t * dim, heads, half, head_stride, y_head_stride);
+        return;
+    }
+#endif
     /* Tokens outermost: a token's cos and sin rows are read once for all its heads. */
 #pragma omp parallel for collapse(2) schedule(static) if (heads * tokens * dim >= MIN_PARALLEL)
     for (int64_t t = 0; t < tokens; t++)
