@@ -213,14 +213,16 @@ def _linear_silu(x, packed, b, inter) -> torch.Tensor | None:
 
 @needs_library
 @pytest.mark.parametrize("k,inter,bias", [(576, 1536, False), (1024, 96, True), (64, 32, True),
-                                          (40, 64, True)])
+                                          (40, 64, True), (16, 32, False)])
 def test_the_gate_product_and_its_silu_in_one_pass_have_the_bits_of_the_two_apart(
         k, inter, bias):
     """linear_silu_dpbf16 against the product of the stacked [gate | up] weight followed by
     eager torch's SiLU gate product in bfloat16: the same bits at row counts inside one
     256-row chunk of the tiles, across chunks, with several passes over k (1024: 32 tile
-    steps), with a bias, and with teams of 1 to 3 threads; without the tiles (or for k = 40,
-    which they do not take) also at row counts under and between the register tiles'."""
+    steps), with a bias, and with teams of 1 to 3 threads; without the tiles (or for k = 40
+    and 16, which they do not take) also at row counts under and between the register
+    tiles'. k = 16 has fewer input pairs than a tile has outputs to finish inside the next
+    tile's k loop (the dot loop finishes the rest after it)."""
     before = torch.get_num_threads()
     counts = ((32, 2), (96, 1), (288, 3), (544, 2))
     if not amx_on() or k % 32:
