@@ -76,6 +76,16 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t ro
 
 #ifdef HAVE_AVX512_BF16
 #define ROTARY_MAX_HALF 256
+/* 16 positions of one head: x[i] and x[i + half] (the pointers at i) against cos's and
+ * sin's halves there, sin's first half negated (rotate_half(x) is [-b, a]). */
+static inline void rotate16(const uint16_t *xr, uint16_t *yr, int64_t half, __m512 cl,
+                            __m512 ch, __m512 neg_sl, __m512 sh) {
+    const __m512 a = load16(xr), b = load16(xr + half);
+    store16(yr, _mm512_add_ps(round16(_mm512_mul_ps(a, cl)), round16(_mm512_mul_ps(b, neg_sl))));
+    store16(yr + half,
+            _mm512_add_ps(round16(_mm512_mul_ps(b, ch)), round16(_mm512_mul_ps(a, sh))));
+}
+
 /* One token's heads: its cos and sin halves widened once (sin's first half negated: the
  * rotate_half sign) and reused by every head. */
 static inline void rotary_token_bf16(const uint16_t *x, uint16_t *y, const uint16_t *c,
@@ -93,15 +103,8 @@ static inline void rotary_token_bf16(const uint16_t *x, uint16_t *y, const uint1
     for (int64_t h = 0; h < heads; h++) {
         const uint16_t *xr = x + h * head_stride;
         uint16_t *yr = y + h * y_head_stride;
-        for (int64_t j = 0; j < v; j++) {
-            const __m512 a = load16(xr + 16 * j), b = load16(xr + half + 16 * j);
-            const __m512 lo = _mm512_add_ps(round16(_mm512_mul_ps(a, cl[j])),
-                                            round16(_mm512_mul_ps(b, sl[j])));
-            const __m512 hi = _mm512_add_ps(round16(_mm512_mul_ps(b, ch[j])),
-                                            round16(_mm512_mul_ps(a, sh[j])));
-            store16(yr + 16 * j, lo);
-            store16(yr + half + 16 * j, hi);
-        }
+        for (int64_t j = 0; j < v; j++)
+            rotate16(xr + 16 * j, yr + 16 * j, half, cl[j], ch[j], sl[j], sh[j]);
     }
 }
 #endif
@@ -134,17 +137,10 @@ void rotary_bf16(const uint16_t *x, uint16_t *y, const uint16_t *cos, const uint
             const uint16_t *c = cos + t * dim, *s = sin + t * dim;
             int64_t i = 0;
 #ifdef HAVE_AVX512_BF16
-            for (; i + 16 <= half; i += 16) {
-                const __m512 a = load16(xr + i), b = load16(xr + i + half);
-                const __m512 lo = _mm512_add_ps(
-                    round16(_mm512_mul_ps(a, load16(c + i))),
-                    round16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), b), load16(s + i))));
-                const __m512 hi = _mm512_add_ps(
-                    round16(_mm512_mul_ps(b, load16(c + i + half))),
-                    round16(_mm512_mul_ps(a, load16(s + i + half))));
-                store16(yr + i, lo);
-                store16(yr + i + half, hi);
-            }
+            for (; i + 16 <= half; i += 16)
+                rotate16(xr + i, yr + i, half, load16(c + i), load16(c + i + half),
+                         _mm512_sub_ps(_mm512_setzero_ps(), load16(s + i)),
+                         load16(s + i + half));
 #endif
             for (; i < half; i++) {
                 const float a = bf16_to_float(xr[i]), b = bf16_to_float(xr[i + half]);
