@@ -139,6 +139,12 @@ class AdmissionPolicy(Protocol):
         Step in flight pays capped chunks."""
         ...
 
+    def urgent(self, waiting: WaitingQueue, running: Iterable[Sequence]) -> list[Sequence]:
+        """Waiting requests, most urgent first, that should not wait for the next Step
+        behind `running` work: the loop prefills those that fit in an urgent Step, which
+        the worker runs ahead of the Steps in flight. Does not change `waiting`."""
+        ...
+
 
 class FCFSAdmission:
     """Strict arrival order: stop at the first request that does not fit, so a large
@@ -166,6 +172,9 @@ class FCFSAdmission:
     def chunk_limit(self, order: list[Sequence], waiting: WaitingQueue,
                     background_in_flight: bool) -> ChunkLimit | None:
         return None
+
+    def urgent(self, waiting: WaitingQueue, running: Iterable[Sequence]) -> list[Sequence]:
+        return []  # arrival order: none goes ahead of work already running
 
 
 def fitting_prefix(candidates: Iterable[Sequence], budget: Budget,

@@ -36,6 +36,9 @@ class StepPlan:
     # swap_in, and those whose device copy it frees again (Swapper.plan_prefetch).
     prefetch: list[int] = field(default_factory=list)
     unprefetch: list[int] = field(default_factory=list)
+    # An urgent Step (BatchPlanner.urgent): new sequences' prefills alone, run by the
+    # worker ahead of the Steps in flight; nothing else is in it.
+    urgent: bool = False
 
     @property
     def prefill_tokens(self) -> int:
@@ -87,6 +90,18 @@ class BatchPlanner:
         groups = [list(dict.fromkeys(rows[i].seq_id for i in g)) for g in part.groups]
         self._members, self._groups, self._partition = members, groups, part
         return StepPlan(release, admitted, groups, part, True, chunks, no_token, partial)
+
+    def urgent(self, admitted: list[Sequence], chunks: dict[int, Chunk]) -> StepPlan:
+        """The plan of an urgent Step: `admitted` alone, partitioned among themselves.
+        The running batch's cached partition is kept: the next plan, which `admitted`
+        join, recomputes it."""
+        lengths = [s.length for s in admitted]
+        part = plan_partition(lengths, self.max_sparsity, self.max_splits)
+        groups = [[admitted[i].seq_id for i in g] for g in part.groups]
+        no_token = frozenset(s.seq_id for s in admitted if s.prefilling)
+        chunks = {s.seq_id: chunks[s.seq_id] for s in admitted if s.seq_id in chunks}
+        return StepPlan([], admitted, groups, part, True, chunks, no_token,
+                        sum(1 for sid in chunks if sid in no_token), urgent=True)
 
     def forget(self) -> None:
         """Drop the cached plan (after a worker restart every sequence is new again)."""

@@ -16,7 +16,13 @@ from collections import deque
 from dataclasses import replace
 from typing import Callable
 
-from scheduler_service.admission import AdmissionPolicy, Budget, FCFSAdmission, WaitingQueue
+from scheduler_service.admission import (
+    AdmissionPolicy,
+    Budget,
+    FCFSAdmission,
+    WaitingQueue,
+    fitting_prefix,
+)
 from scheduler_service.batch_plan import BatchPlanner, StepPlan
 from scheduler_service.chunking import Chunk, StepBudget
 from scheduler_service.metrics import SchedulerMetrics
@@ -24,6 +30,7 @@ from scheduler_service.output import LOCAL
 from scheduler_service.preemption import Swapper, preempt, prefetch_limit
 from scheduler_service.recovery import recover
 from scheduler_service.sequence import FinishReason, Sequence, Status
+from seqserve_common.decoding import DecodingStrategy
 from scheduler_service.step_pacing import SentStep, StepPacer
 from scheduler_service.worker_client import (
     StepFailed,
@@ -82,6 +89,9 @@ class IterationLoop:
         self.pacer = StepPacer(step_send_lead_ms / 1000 if step_send_lead_ms >= 0 else -1.0)
         self._answer: asyncio.Future | None = None
         self._answered_at = 0.0  # perf_counter when the last answer arrived
+        # Set by an arrival the policy may send in an urgent Step (AdmissionPolicy.urgent):
+        # the loop's waits for answers then plan one at once.
+        self._urgent_arrival = asyncio.Event()
         # Whether a worker serves: readiness, as health checks and /ping report it.
         self.worker_up = True
         self.on_worker_state: Callable[[bool], None] = lambda up: None
@@ -111,6 +121,8 @@ class IterationLoop:
         self.metrics.requests_received.inc()
         self.metrics.set_waiting(self.name, len(self.waiting))
         self._wakeup.set()
+        if self._inflight and self.info.urgent_steps:
+            self._urgent_arrival.set()
 
     def adopt(self, seqs: list[Sequence]) -> None:
         """Take requests another worker's loop could not run, ahead of this one's queue:
@@ -193,9 +205,69 @@ class IterationLoop:
                                  [f.size for f in self._inflight], time.perf_counter())
         if delay <= 0:
             return
+        await self._wait_answer(delay)
+
+    async def _wait_answer(self, timeout: float | None = None) -> None:
+        """Wait until the next answer is in `_answer` (or `timeout` seconds pass); an
+        urgent arrival meanwhile is sent in an urgent Step at once."""
         if self._answer is None:
             self._answer = asyncio.ensure_future(self._stream.receive())
-        await asyncio.wait({self._answer}, timeout=delay)
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        while not self._answer.done():
+            if self._urgent_arrival.is_set():
+                self._urgent_arrival.clear()
+                await self._send_urgent()
+                continue
+            left = None if deadline is None else deadline - time.perf_counter()
+            if left is not None and left <= 0:
+                return
+            if not self.info.urgent_steps:
+                await asyncio.wait({self._answer}, timeout=left)
+                return
+            arrival = asyncio.ensure_future(self._urgent_arrival.wait())
+            try:
+                await asyncio.wait({self._answer, arrival}, timeout=left,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                arrival.cancel()
+
+    async def _send_urgent(self) -> None:
+        """Prefill the waiting requests that the policy says should not wait for the next
+        Step, where they fit without preempting anyone, in an urgent Step (StepPlan.urgent)."""
+        if (not self.admitting or self._one_at_a_time or self._stream is None
+                or not self._inflight):
+            return
+        candidates = self.policy.urgent(self.waiting, self.running.values())
+        # Greedy and sampled requests only (the worker's rule); a swapped-out one comes
+        # back through swap_in, in a Step of its own.
+        usable = []
+        for s in candidates:
+            if s.swapped or s.params.strategy not in (DecodingStrategy.GREEDY,
+                                                      DecodingStrategy.SAMPLE):
+                break
+            usable.append(s)
+        if not usable:
+            return
+        reserved = sum(s.reserved_tokens for s in self.running.values())
+        budget = Budget(self.max_batch - len(self.running), self.kv_budget - reserved,
+                        self.max_num_batched_tokens, self.chunked)
+        admitted = fitting_prefix(usable, budget)
+        if not admitted:
+            return  # no room: the next Step preempts for it, as before
+        now = time.monotonic()
+        for s in admitted:
+            self.waiting.remove(s)
+            if s.start_running(now):
+                self.metrics.observe_admission(s, now)
+        self.metrics.set_waiting(self.name, len(self.waiting))
+        prompts = StepBudget(self.max_num_batched_tokens, self.chunked)
+        prompts.take(admitted)
+        plan = self.planner.urgent(admitted, prompts.chunks)
+        for s in admitted:
+            self.running[s.seq_id] = s
+            s.admitted_step = self.step_id + 1  # the Step _send numbers next
+        self.metrics.urgent_steps.inc()
+        await self._send(plan)
 
     def _has_work(self) -> bool:
         return bool(self.running or self.to_release or (self.admitting and len(self.waiting)))
@@ -301,15 +373,18 @@ class IterationLoop:
         await self._stream.send(self.step_id, plan)
 
     async def _receive(self) -> None:
-        """Wait for the oldest Step in flight and hand out its tokens."""
-        step = self._inflight[0]
-        pending, self._answer = self._answer, None
-        answer = await (pending if pending is not None else self._stream.receive())
+        """Wait for the next answer (the oldest Step's, or an urgent one's that went ahead
+        of it) and hand out its tokens."""
+        await self._wait_answer()
+        answer, self._answer = self._answer.result(), None
         t2 = self._answered_at = time.perf_counter()
-        if answer.step_id != step.step_id:
+        at = next((i for i, f in enumerate(self._inflight) if f.step_id == answer.step_id),
+                  None)
+        if at is None or (at and not self._inflight[at].plan.urgent):
             raise StepFailed("INTERNAL", f"the worker answered step {answer.step_id} where "
-                                         f"step {step.step_id} was due")
-        self._inflight.popleft()
+                                         f"step {self._inflight[0].step_id} was due")
+        step = self._inflight[at]
+        del self._inflight[at]
         for tok in answer.tokens:
             self._on_token(tok, answer.step_id)
         t3 = time.perf_counter()

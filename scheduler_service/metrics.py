@@ -107,6 +107,10 @@ class SchedulerMetrics:
                                    "Running sequences preempted for more urgent ones (their KV "
                                    "dropped and recomputed at re-admission, or swapped)",
                                    registry=r)
+        self.urgent_steps = Counter(
+            "seqserve_urgent_steps_total", "Urgent Steps sent: prefills of requests more "
+            "urgent than running work, run by the worker ahead of the Steps in flight "
+            "(option.priority_urgent_steps)", registry=r)
         self.swapped_preemptions = Counter(
             "seqserve_num_swapped_preemptions_total", "Preemptions whose KV the worker moved "
             "to host memory and back (option.preemption_mode) instead of recomputing it",

@@ -41,6 +41,7 @@ class WorkerInfo:
     kv_capacity_tokens: int  # KV tokens, padding included, the worker's budget holds
     # What a preempted sequence costs to swap or recompute (preemption.SwapChoice).
     swap: SwapFacts = field(default_factory=SwapFacts)
+    urgent_steps: bool = False  # it takes urgent Steps (StepPlan.urgent)
 
     def to_proto(self) -> worker_pb2.InfoResponse:
         return worker_pb2.InfoResponse(
@@ -51,7 +52,8 @@ class WorkerInfo:
             kv_bytes_per_token=self.swap.kv_bytes_per_token,
             swap_capacity_bytes=self.swap.capacity_bytes,
             swap_bytes_per_second=self.swap.copy_bytes_per_second,
-            prefill_tokens_per_second=self.swap.prefill_tokens_per_second)
+            prefill_tokens_per_second=self.swap.prefill_tokens_per_second,
+            urgent_steps=self.urgent_steps)
 
     @classmethod
     def from_proto(cls, info: worker_pb2.InfoResponse) -> "WorkerInfo":
@@ -59,7 +61,8 @@ class WorkerInfo:
                    frozenset(info.eos_token_ids), info.max_position_embeddings, info.dtype,
                    info.device, info.kv_capacity_tokens,
                    SwapFacts(info.kv_bytes_per_token, info.swap_capacity_bytes,
-                             info.swap_bytes_per_second, info.prefill_tokens_per_second))
+                             info.swap_bytes_per_second, info.prefill_tokens_per_second),
+                   info.urgent_steps)
 
 
 @dataclass(slots=True)  # one per token and Step: a frozen one's __init__ costs twice as much
@@ -139,7 +142,8 @@ def encode_step(step_id: int, plan: StepPlan) -> worker_pb2.StepRequest:
         chunks=[worker_pb2.PrefillChunk(sequence_id=sid, end=c.end)
                 for sid, c in plan.chunks.items() if sid not in new],
         finished=[worker_pb2.FinishedSequence(sequence_id=sid, generated_tokens=n, exact=exact)
-                  for sid, n, exact in plan.finished])
+                  for sid, n, exact in plan.finished],
+        urgent=plan.urgent)
 
 
 _EARLY_STOPPING = {False: worker_pb2.EARLY_STOPPING_FALSE, True: worker_pb2.EARLY_STOPPING_TRUE,

@@ -138,6 +138,10 @@ OPTIONS: tuple[Option, ...] = (
            "prompts' chunks may take together in one Step; their chunks also stay out of "
            "the Steps of urgent prompts' chunks and from behind each other in flight "
            "(0: no such rule); docs/scheduling.md"),
+    Option("priority_urgent_steps", ov.parse_bool, "true or false", help="priority: a "
+           "request that outranks running work and finds room is prefilled in an urgent "
+           "Step, which the worker runs between two layers of the Step in progress and "
+           "ahead of those queued (false: it waits for the next Step); docs/scheduling.md"),
     Option("mlfq_levels", int, "an integer in [1, 16]", lambda v: 1 <= v <= 16,
            "mlfq: number of queues"),
     Option("mlfq_quantum_steps", int, "an integer >= 1", lambda v: v >= 1,
@@ -261,6 +265,7 @@ class ServingConfig:
     scheduling_policy: str = "fcfs"
     priority_aging_steps: int = 64
     priority_background_chunk_tokens: int = 128
+    priority_urgent_steps: bool = True
     mlfq_levels: int = 4
     mlfq_quantum_steps: int = 8
     mlfq_prefill_tokens_per_step: int = 128

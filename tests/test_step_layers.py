@@ -161,8 +161,8 @@ def test_a_step_read_at_its_sampled_rows_gives_them_the_bits_of_the_whole(tmp_pa
     calls: list = []
     forward = step_layers.StepLayers.forward
 
-    def recording(self, batch, hidden, cos, sin, rows=None):
-        out = forward(self, batch, hidden, cos, sin, rows)
+    def recording(self, batch, hidden, cos, sin, rows=None, between=None):
+        out = forward(self, batch, hidden, cos, sin, rows, between)
         calls.append((hidden.shape[1], rows, out.shape[1]))
         return out
 

@@ -17,6 +17,7 @@ own forward.
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import os
 from dataclasses import dataclass
@@ -77,6 +78,9 @@ class LayerLoop:
                             for layer in base.layers[: base.config.num_hidden_layers])
         # A step runs every layer in one C call where all layers take it.
         self.step_layers = step_layers.StepLayers.build(self.layers)
+        # Set: a forward given `between` runs it before its next layer.
+        self.pause = (self.step_layers.pause if self.step_layers is not None
+                      else ctypes.c_int32(0))
 
     @staticmethod
     def _layer(layer: nn.Module) -> _Layer:
@@ -89,16 +93,20 @@ class LayerLoop:
                       post_norm=_direct(layer.post_attention_layernorm), mlp=_direct(layer.mlp))
 
     def forward(self, batch: PackedBatch, ids: torch.Tensor, positions: torch.Tensor,
-                rows: list[int] | None = None) -> torch.Tensor:
+                rows: list[int] | None = None,
+                between: Callable[[], None] | None = None) -> torch.Tensor:
         """ids, positions [1, tokens] -> last-layer hidden states [1, tokens, hidden], or
         with `rows` (strictly ascending token indices) those rows' [1, len(rows), hidden];
-        each layer's new keys and values land in the batch's group buffers."""
+        each layer's new keys and values land in the batch's group buffers. `between`
+        runs before any layer but the first that finds `pause` set."""
         hidden = self.embed(ids)
         cos, sin = self.rotary_emb(hidden, positions)
         if self.step_layers is not None and self.step_layers.takes(batch, hidden, cos):
-            return self.norm(self.step_layers.forward(batch, hidden, cos, sin, rows))
+            return self.norm(self.step_layers.forward(batch, hidden, cos, sin, rows, between))
         shape = hidden.shape[:-1]
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if i and between is not None and self.pause.value:
+                between()
             # LlamaDecoderLayer.forward and LlamaAttention.forward, with the Cache update
             # and the attention interface resolved to what they call on a packed batch.
             residual = hidden

@@ -14,6 +14,10 @@ class WorkerMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.steps = Counter("seqserve_worker_steps_total", "Steps executed", registry=r)
+        self.urgent_between_layers = Counter(
+            "seqserve_worker_urgent_steps_between_layers_total", "Urgent Steps run between "
+            "two layers of another Step's forward (the others ran before a Step began)",
+            registry=r)
         self.forward = Histogram("seqserve_worker_forward_seconds",
                                  "Model forward time per step", buckets=_STEP_BUCKETS, registry=r)
         self.sampling = Histogram("seqserve_worker_sampling_seconds",
@@ -73,6 +77,8 @@ class WorkerMetrics:
     def observe_step(self, result, num_groups: int) -> None:
         """`result`: the engine's StepResult, which also carries its state after the step."""
         self.steps.inc()
+        if result.between_layers:
+            self.urgent_between_layers.inc()
         self.forward.observe(result.forward_seconds)
         self.sampling.observe(result.sampling_seconds)
         self.regroup.observe(result.regroup_seconds)

@@ -8,8 +8,10 @@ its keys and values land in their groups' buffers.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -354,24 +356,32 @@ class ModelRunner:
                        reads_padding=not native_only)
 
     @torch.inference_mode()
-    def forward(self, batch: PackedBatch, rows: list[int] | None = None) -> torch.Tensor:
+    def forward(self, batch: PackedBatch, rows: list[int] | None = None,
+                between: Callable[[], None] | None = None) -> torch.Tensor:
         """Run every token of `batch` in one forward; returns last-layer hidden states
         [tokens, hidden], or with `rows` (strictly ascending token indices: the states the
         caller reads) [len(rows), hidden], where the C step may leave the other tokens'
         last layer out but for its keys and values. Each segment's keys and values land
-        in its group's buffers."""
+        in its group's buffers. `between` runs between two layers whenever the
+        `pause_flag` is set (only where the layer loop runs the forward)."""
         if self.fallback is not None:
             hidden = self.fallback.forward(batch)
             return hidden if rows is None else hidden[rows]
-        return self._packed(batch, self.layer_loop, rows)
+        return self._packed(batch, self.layer_loop, rows, between)
+
+    def pause_flag(self) -> ctypes.c_int32 | None:
+        """The flag that makes a forward stop between two layers and call its `between`
+        (None: forwards never stop; the model runs transformers' own forward)."""
+        return None if self.layer_loop is None else self.layer_loop.pause
 
     def _packed(self, batch: PackedBatch, loop: layer_loop.LayerLoop | None = None,
-                rows: list[int] | None = None) -> torch.Tensor:
+                rows: list[int] | None = None,
+                between: Callable[[], None] | None = None) -> torch.Tensor:
         n = batch.num_tokens
         ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)[None]
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)[None]
         if loop is not None:
-            return loop.forward(batch, ids, positions, rows)[0]
+            return loop.forward(batch, ids, positions, rows, between)[0]
         # Attention masks itself per segment; transformers passes a 4D mask through
         # untouched, and this expanded view costs no memory.
         mask = self._no_mask.expand(1, 1, n, n)

@@ -138,6 +138,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             dtype=f.dtype, device=f.device,
             kv_capacity_tokens=self.kv_capacity_tokens, steps_link_port=self.steps_link_port,
             kv_bytes_per_token=engine.runner.kv_shape.bytes_per_token,
+            urgent_steps=engine.urgent_steps,
             swap_capacity_bytes=engine.swap.capacity_bytes if engine.swap is not None else 0,
             swap_bytes_per_second=self.swap_rates.copy_bytes_per_second,
             prefill_tokens_per_second=self.swap_rates.prefill_tokens_per_second)
@@ -163,43 +164,62 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def run_steps(self, request_iterator: Iterator) -> Iterator[worker_pb2.StepResponse]:
         """One Steps stream, whatever carries it (the gRPC call or the direct link): Steps
         in the order they arrive, each queued for the compute thread as soon as it is read,
-        so the next one is waiting there when the current one ends. Raises StepError when
-        the stream must end (a Step failed, or a Reset came after the stream opened)."""
+        so the next one is waiting there when the current one ends; an urgent Step goes
+        ahead of those queued (Engine.post_urgent). Answers go in the order the Steps end.
+        Raises StepError when the stream must end (a Step failed, or a Reset came after
+        the stream opened)."""
         engine = self.engine
         if engine is None:
             raise StepError("worker is still loading its model; retry")
-        queued: queue.SimpleQueue = queue.SimpleQueue()
+        done: queue.SimpleQueue = queue.SimpleQueue()
         with self._lock:
             generation = self._generation
+        # Steps read and not yet answered, and whether the reader has finished: the last
+        # of them to end closes the reply loop.
+        open_steps = [0, False]
+        count_lock = threading.Lock()
+
+        def settle(change: int, reading_ended: bool = False) -> None:
+            with count_lock:
+                open_steps[0] += change
+                open_steps[1] = open_steps[1] or reading_ended
+                if open_steps[1] and not open_steps[0]:
+                    done.put(None)
 
         def read() -> None:
             try:
                 for request in request_iterator:
                     with self._lock:
                         if self._generation != generation:
-                            queued.put(StepError("the worker was reset; open a new stream"))
+                            done.put(StepError("the worker was reset; open a new stream"))
                             break
                         self._renew()
                         self._steps_pending += 1
+                        settle(1)
                         future = self._submit(engine, request)
                     # Outside the lock: a Step refused at once is done already, and its
-                    # callback, which takes the lock, runs right here.
+                    # callbacks, which take the lock, run right here.
                     future.add_done_callback(self._step_done)
-                    queued.put((request, future))
+                    future.add_done_callback(lambda f, r=request: (done.put((r, f)),
+                                                                   settle(-1)))
             except Exception as exc:  # noqa: BLE001 - the stream broke; the reply loop ends
                 logger.debug("step stream closed while reading: %s", exc)
-            queued.put(None)
+            settle(0, reading_ended=True)
 
         threading.Thread(target=read, name="steps-reader", daemon=True).start()
-        while (item := queued.get()) is not None:
+        while (item := done.get()) is not None:
             if isinstance(item, StepError):
                 raise item
             request, future = item
+            if future.cancelled():
+                raise StepError("the worker dropped its sequences; open a new stream")
             yield self._response(request, future.result())  # a failed Step raises StepError
 
     def _submit(self, engine: Engine, request) -> Future:
         prefill = [prefill_from_proto(ns) for ns in request.prefill]
         plan = [list(g.sequence_ids) for g in request.groups]
+        if request.urgent:
+            return self._submit_urgent(engine, request, prefill, plan)
         chunks = {c.sequence_id: c.end for c in request.chunks}
         if len(chunks) != len(request.chunks):
             failed: Future = Future()
@@ -209,6 +229,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return self._compute.submit(engine.step, list(request.release), prefill, plan, chunks,
                                     finished, list(request.swap_out), list(request.swap_in),
                                     list(request.prefetch), list(request.unprefetch))
+
+    def _submit_urgent(self, engine: Engine, request, prefill: list[PrefillSpec],
+                       plan: list[list[int]]) -> Future:
+        others = (request.release or request.chunks or request.finished or request.swap_out
+                  or request.swap_in or request.prefetch or request.unprefetch)
+        reason = ("this worker does not take urgent Steps (InfoResponse.urgent_steps)"
+                  if not engine.urgent_steps else
+                  "an urgent Step holds new sequences' prefills only" if others else None)
+        if reason is not None:
+            failed: Future = Future()
+            failed.set_exception(StepError(reason))
+            return failed
+        future = engine.post_urgent(prefill, plan)
+        # Where no Step runs to take it between layers or before it starts, this does.
+        self._compute.submit(engine.run_urgent)
+        return future
 
     def _response(self, request, result: StepResult) -> worker_pb2.StepResponse:
         if self.metrics is not None:

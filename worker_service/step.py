@@ -73,6 +73,8 @@ class StepResult:
     prefetched_sequences: int = 0  # swapped-out sequences with a device copy of their KV
     prefetched_swap_ins: int = 0  # this Step's swap_ins whose KV was prefetched
     arena_stats: tuple[int, int] | None = None  # the KV arena's compactions, misses (so far)
+    # An urgent Step (Engine.urgent_step) that ran between two layers of another Step.
+    between_layers: bool = False
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
+from seqserve_common.decoding import DecodingStrategy
 from worker_service.sequence import SequenceState
 from worker_service.step import PrefillSpec, StepError
 
@@ -58,3 +59,13 @@ def check_chunks(chunks: dict[int, int], live: Mapping[int, SequenceState]) -> N
             raise StepError(f"prefill chunk for sequence {sid} ends at {end}; it must be "
                             f"past the {seq.chunk_end} tokens asked for before and at most "
                             f"its {seq.prompt_len} prompt tokens")
+
+
+def check_urgent(prefill: list[PrefillSpec]) -> None:
+    """An urgent Step prefills greedy or sampled sequences only: contrastive and beam
+    search keep state across the rows of a Step that an interrupted one may share."""
+    for ns in prefill:
+        if ns.params.strategy not in (DecodingStrategy.GREEDY, DecodingStrategy.SAMPLE):
+            raise StepError(f"sequence {ns.seq_id}: an urgent Step takes only greedy or "
+                            "sampled sequences; send contrastive and beam ones in a "
+                            "regular Step")

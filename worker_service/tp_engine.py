@@ -98,6 +98,9 @@ class LeaderEngine:
     """Rank 0's engine: mirrored calls go to every rank first; everything else (state the
     servicer reads, such as `runner` or `sequences`) is rank 0's own engine's."""
 
+    # Every rank would have to stop at the same layer for one: the group takes none.
+    urgent_steps = False
+
     def __init__(self, engine: Engine, channel: ControlChannel | None = None):
         self._engine = engine
         self._channel = channel or ControlChannel()

@@ -35,7 +35,8 @@ def make_policy(cfg: ServingConfig, predictor: LengthPredictor | None = None
         return FCFSAdmission()
     if name == "priority":
         return PriorityAdmission(cfg.priority_aging_steps,
-                                 cfg.priority_background_chunk_tokens)
+                                 cfg.priority_background_chunk_tokens,
+                                 urgent_steps=cfg.priority_urgent_steps)
     if name == "mlfq":
         return MLFQAdmission(MLFQConfig(
             levels=cfg.mlfq_levels, base_quantum=cfg.mlfq_quantum_steps,

@@ -12,6 +12,7 @@ sequence is preempted only by a strictly more urgent one.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from scheduler_service.admission import Budget, WaitingQueue
@@ -50,7 +51,7 @@ class PriorityAdmission(RankedAdmission):
     Steps, paid in priority order)."""
 
     def __init__(self, aging_steps: int, background_chunk_tokens: int = 0,
-                 window_steps: int = URGENT_WINDOW_STEPS):
+                 window_steps: int = URGENT_WINDOW_STEPS, urgent_steps: bool = False):
         if aging_steps < 1:
             raise ValueError(f"aging_steps must be >= 1, got {aging_steps}")
         if background_chunk_tokens < 0:
@@ -60,6 +61,23 @@ class PriorityAdmission(RankedAdmission):
         super().__init__(lambda s, w: effective_priority(s, w, aging_steps))
         self.shield = (UrgentShield(self.rank, background_chunk_tokens, aging_steps,
                                     window_steps) if background_chunk_tokens else None)
+        self.urgent_steps = urgent_steps
+
+    def urgent(self, waiting: WaitingQueue, running: Iterable[Sequence]) -> list[Sequence]:
+        """With `urgent_steps`: the waiting requests more urgent (after aging) than some
+        running sequence, most urgent first; those of the least urgent rank running wait
+        for the next Step as before."""
+        if not self.urgent_steps or not len(waiting):
+            return []
+        if self.shield is not None:
+            self.shield.see(waiting)  # its rules hold for the Steps around this one
+        least = max((self.rank(s, waiting) for s in running), default=None)
+        if least is None:
+            return []
+        order = self.order(waiting)
+        cut = next((i for i, s in enumerate(order) if self.rank(s, waiting) >= least),
+                   len(order))
+        return order[:cut]
 
     def candidates(self, waiting: WaitingQueue, budget: Budget) -> list[Sequence]:
         order = self.order(waiting)

@@ -12,7 +12,7 @@ produced (recompute), so its output is unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from scheduler_service.admission import Budget, WaitingQueue, fitting_prefix
 from scheduler_service.chunking import ChunkLimit
@@ -62,6 +62,9 @@ class RankedAdmission:
     def chunk_limit(self, order: list[Sequence], waiting: WaitingQueue,
                     background_in_flight: bool) -> ChunkLimit | None:
         return None
+
+    def urgent(self, waiting: WaitingQueue, running: Iterable[Sequence]) -> list[Sequence]:
+        return []  # only `priority` sends urgent Steps
 
     def preempt(self, waiting: WaitingQueue, running: list[Sequence],
                 budget: Budget) -> list[Sequence]:

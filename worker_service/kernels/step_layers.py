@@ -43,6 +43,7 @@ import ctypes
 import functools
 import logging
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,7 +84,7 @@ class _Segment(ctypes.Structure):
                 ("start", _I), ("row_stride", _I), ("head_stride", _I), ("ends", _P)]
 
 
-_STEP_ARGS = [_P, _P, _P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _I]
+_STEP_ARGS = [_P, _P, _P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _I, _P, _P]
 # The call for each compute dtype: bfloat16 over dpbf16_linear's products, float32 over
 # bf16_weights' (a bfloat16 model on a CPU without native bfloat16).
 ENTRY = {torch.bfloat16: "step_layers_bf16", torch.float32: "step_layers_f32"}
@@ -258,6 +259,9 @@ class StepLayers:
             product=shape.hidden, gate_up=2 * shape.inter, act=shape.inter)
         self._keep = keep  # the tensors whose addresses the structures hold
         self._windows: tuple | None = None
+        # Non-zero asks a running call to stop before its next layer; `forward` then runs
+        # `between` and goes on (the engine's urgent Steps, engine.py).
+        self.pause = ctypes.c_int32(0)
 
     @classmethod
     def build(cls, loop_layers) -> "StepLayers | None":
@@ -312,12 +316,15 @@ class StepLayers:
                    for seg in batch.segments)
 
     def forward(self, batch, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                rows: list[int] | None = None) -> torch.Tensor:
+                rows: list[int] | None = None,
+                between: Callable[[], None] | None = None) -> torch.Tensor:
         """hidden [1, tokens, hidden] (the embeddings; not changed) through every layer,
         each segment's new keys and values written to its group; returns the last layer's
         hidden states [1, tokens, hidden], or with `rows` (token indices, strictly
         ascending) those rows' [1, len(rows), hidden] only: the other tokens' last layer
-        then stops after its keys and values. Call only where `takes`."""
+        then stops after its keys and values. With `between`, a call that `pause` stops
+        runs it before the remaining layers (which must not use this call's scratch; a
+        nested forward allocates its own). Call only where `takes`."""
         from worker_service.packed_batch import DecodeSegment
 
         windows = tuple(spec.window or 0 for spec in batch.layers) if batch.layers else ()
@@ -357,13 +364,25 @@ class StepLayers:
                 raise ValueError(f"rows must be strictly ascending token indices below "
                                  f"{tokens}, not {rows}")
             keep = (ctypes.c_int64 * len(rows))(*rows)
-        status = self._entry(
-            ctypes.byref(self._kernels), ctypes.byref(sh), self._layers, self._count,
-            out.data_ptr(), tokens, c.data_ptr(), s.data_ptr(), c_segs, nseg, k_ptrs, v_ptrs,
-            ctypes.byref(scratch), keep, 0 if rows is None else len(rows))
-        if status != 0:
-            raise ValueError(f"the C step layers refused a step of {tokens} rows "
-                             f"(status {status}); set {SWITCH}=0 and report it")
+        pause = ctypes.byref(self.pause) if between is not None else None
+        done, first = ctypes.c_int64(0), 0
+        layer_size, ptr_size = ctypes.sizeof(_Layer), ctypes.sizeof(ctypes.c_void_p)
+        while True:
+            status = self._entry(
+                ctypes.byref(self._kernels), ctypes.byref(sh),
+                ctypes.byref(self._layers, first * layer_size), self._count - first,
+                out.data_ptr(), tokens, c.data_ptr(), s.data_ptr(), c_segs, nseg,
+                ctypes.byref(k_ptrs, first * nseg * ptr_size),
+                ctypes.byref(v_ptrs, first * nseg * ptr_size),
+                ctypes.byref(scratch), keep, 0 if rows is None else len(rows), pause,
+                ctypes.byref(done))
+            if status != 0:
+                raise ValueError(f"the C step layers refused a step of {tokens} rows "
+                                 f"(status {status}); set {SWITCH}=0 and report it")
+            first += done.value
+            if first >= self._count:
+                break
+            between()
         if rows is not None:
             return out[:len(rows)].view(1, len(rows), sh.hidden)
         return out.view(1, tokens, sh.hidden)

@@ -141,16 +141,27 @@ static int FN(attend_prompt)(const struct FN(kernels) *kn, const struct FN(layer
  * that layer from its (first) row on. keep (NULL: every row) lists, ascending, the nkeep
  * rows whose last-layer states the caller reads: those end in hidden's first nkeep rows (in
  * that order, with the bits they have when every row runs), the others' last layer is left
- * out but for its keys and values. Returns 0, or the first kernel's non-zero status. */
+ * out but for its keys and values. Where `pause` is given and non-zero at the start of a
+ * layer after the first, the call stops there: `*done` (where given) says how many layers
+ * ran, and a later call over the rest (layers, k_ptrs and v_ptrs advanced by that many)
+ * goes on with the same bits; the state between layers is all in hidden. Returns 0, or
+ * the first kernel's non-zero status. */
 int FN(step_layers)(const struct FN(kernels) *kn, const struct FN(shape) *sh,
                     const struct FN(layer) *layers, int64_t count, ELEM *hidden,
                     int64_t tokens, const ELEM *cos, const ELEM *sin,
                     const struct FN(segment) *segments, int64_t nseg, ELEM *const *k_ptrs,
                     ELEM *const *v_ptrs, const struct FN(scratch) *s, const int64_t *keep,
-                    int64_t nkeep) {
+                    int64_t nkeep, const volatile int32_t *pause, int64_t *done) {
     const int64_t H = sh->hidden, heads = sh->heads, kvh = sh->kv_heads, dim = sh->dim;
     const int64_t qc = heads * dim, kc = kvh * dim, width = qc + 2 * kc, inter = sh->inter;
+    if (done)
+        *done = count;
     for (int64_t l = 0; l < count; l++) {
+        if (l && pause && *pause) {
+            if (done)
+                *done = l;
+            return 0;
+        }
         const struct FN(layer) *L = &layers[l];
         int status;
         kn->rms_norm(hidden, L->input_norm, s->normed, tokens, H, H, H, L->input_eps);

@@ -24,53 +24,53 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fseqserve/worker/v1/worker.proto\x12\x12seqserve.worker.v1\"\r\n\x0bInfoRequest\"\xef\x02\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x1f\n\x17max_position_embeddings\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x1a\n\x12kv_capacity_tokens\x18\t \x01(\x04\x12\x17\n\x0fsteps_link_port\x18\x0e \x01(\r\x12\x1a\n\x12kv_bytes_per_token\x18\x0f \x01(\x04\x12\x1b\n\x13swap_capacity_bytes\x18\x10 \x01(\x04\x12\x1d\n\x15swap_bytes_per_second\x18\x11 \x01(\x01\x12!\n\x19prefill_tokens_per_second\x18\x12 \x01(\x01J\x04\x08\x08\x10\tJ\x04\x08\n\x10\x0bJ\x04\x08\x0b\x10\x0cJ\x04\x08\x0c\x10\rJ\x04\x08\r\x10\x0e\"\xf9\x02\n\x0eSamplingParams\x12=\n\x08strategy\x18\x01 \x01(\x0e\x32+.seqserve.worker.v1.SamplingParams.Strategy\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\x11\n\ttypical_p\x18\x05 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x01\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x15\n\rpenalty_alpha\x18\x08 \x01(\x01\x12\x10\n\x08logprobs\x18\t \x01(\x05\x12,\n\x04\x62\x65\x61m\x18\n \x01(\x0b\x32\x1e.seqserve.worker.v1.BeamParams\"a\n\x08Strategy\x12\x13\n\x0fSTRATEGY_GREEDY\x10\x00\x12\x13\n\x0fSTRATEGY_SAMPLE\x10\x01\x12\x18\n\x14STRATEGY_CONTRASTIVE\x10\x02\x12\x11\n\rSTRATEGY_BEAM\x10\x03\"\xa8\x01\n\nBeamParams\x12\x11\n\tnum_beams\x18\x01 \x01(\r\x12\x16\n\x0elength_penalty\x18\x02 \x01(\x01\x12\x39\n\x0e\x65\x61rly_stopping\x18\x03 \x01(\x0e\x32!.seqserve.worker.v1.EarlyStopping\x12\x1c\n\x14num_return_sequences\x18\x04 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\"\xa9\x01\n\x0bNewSequence\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rnum_generated\x18\x03 \x01(\r\x12\x32\n\x06params\x18\x04 \x01(\x0b\x32\".seqserve.worker.v1.SamplingParams\x12\x12\n\npin_tokens\x18\x05 \x01(\r\x12\x13\n\x0bprefill_end\x18\x06 \x01(\r\"0\n\x0cPrefillChunk\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\"\x1d\n\x05Group\x12\x14\n\x0csequence_ids\x18\x01 \x03(\x04\"\xbf\x02\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07release\x18\x02 \x03(\x04\x12\x30\n\x07prefill\x18\x03 \x03(\x0b\x32\x1f.seqserve.worker.v1.NewSequence\x12)\n\x06groups\x18\x04 \x03(\x0b\x32\x19.seqserve.worker.v1.Group\x12\x30\n\x06\x63hunks\x18\x05 \x03(\x0b\x32 .seqserve.worker.v1.PrefillChunk\x12\x36\n\x08\x66inished\x18\x10 \x03(\x0b\x32$.seqserve.worker.v1.FinishedSequence\x12\x10\n\x08swap_out\x18\x11 \x03(\x04\x12\x0f\n\x07swap_in\x18\x12 \x03(\x04\x12\x10\n\x08prefetch\x18\x13 \x03(\x04\x12\x12\n\nunprefetch\x18\x14 \x03(\x04\"P\n\x10\x46inishedSequence\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\r\n\x05\x65xact\x18\x03 \x01(\x08\")\n\nTopLogprob\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"\xb0\x02\n\rSequenceToken\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x14\n\x07logprob\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x34\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1e.seqserve.worker.v1.TopLogprob\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x14\n\x0c\x62\x65\x61m_running\x18\n \x01(\x08\x12\x31\n\x05\x62\x65\x61ms\x18\x0b \x03(\x0b\x32\".seqserve.worker.v1.BeamHypothesis\x12$\n\x17predicted_output_tokens\x18\x0c \x01(\rH\x01\x88\x01\x01\x42\n\n\x08_logprobB\x1a\n\x18_predicted_output_tokens\"2\n\x0e\x42\x65\x61mHypothesis\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05score\x18\x02 \x01(\x01\"\xce\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x31\n\x06tokens\x18\x02 \x03(\x0b\x32!.seqserve.worker.v1.SequenceToken\x12\x15\n\rregroup_bytes\x18\x04 \x01(\x04\x12\x10\n\x08kv_slots\x18\x05 \x01(\x04\x12\x11\n\tkv_tokens\x18\x06 \x01(\x04\x12\x1a\n\x12prefix_cache_bytes\x18\x08 \x01(\x04\x12\x16\n\x0eworker_seconds\x18\t \x01(\x01J\x04\x08\x03\x10\x04J\x04\x08\x07\x10\x08\"\x0e\n\x0cResetRequest\"\x15\n\rResetResponseJ\x04\x08\x01\x10\x02\"\'\n\x0eStepsLinkHello\x12\x15\n\rcontrol_token\x18\x01 \x01(\t\"/\n\x0eStepsLinkError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\"\x83\x01\n\x0eStepsLinkFrame\x12\x34\n\x08response\x18\x01 \x01(\x0b\x32 .seqserve.worker.v1.StepResponseH\x00\x12\x33\n\x05\x65rror\x18\x02 \x01(\x0b\x32\".seqserve.worker.v1.StepsLinkErrorH\x00\x42\x06\n\x04\x62ody*\\\n\rEarlyStopping\x12\x18\n\x14\x45\x41RLY_STOPPING_FALSE\x10\x00\x12\x17\n\x13\x45\x41RLY_STOPPING_TRUE\x10\x01\x12\x18\n\x14\x45\x41RLY_STOPPING_NEVER\x10\x02\x32\xf1\x01\n\x06Worker\x12I\n\x04Info\x12\x1f.seqserve.worker.v1.InfoRequest\x1a .seqserve.worker.v1.InfoResponse\x12N\n\x05Steps\x12\x1f.seqserve.worker.v1.StepRequest\x1a .seqserve.worker.v1.StepResponse(\x01\x30\x01\x12L\n\x05Reset\x12 .seqserve.worker.v1.ResetRequest\x1a!.seqserve.worker.v1.ResetResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fseqserve/worker/v1/worker.proto\x12\x12seqserve.worker.v1\"\r\n\x0bInfoRequest\"\x85\x03\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x1f\n\x17max_position_embeddings\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x1a\n\x12kv_capacity_tokens\x18\t \x01(\x04\x12\x17\n\x0fsteps_link_port\x18\x0e \x01(\r\x12\x1a\n\x12kv_bytes_per_token\x18\x0f \x01(\x04\x12\x1b\n\x13swap_capacity_bytes\x18\x10 \x01(\x04\x12\x1d\n\x15swap_bytes_per_second\x18\x11 \x01(\x01\x12!\n\x19prefill_tokens_per_second\x18\x12 \x01(\x01\x12\x14\n\x0curgent_steps\x18\x13 \x01(\x08J\x04\x08\x08\x10\tJ\x04\x08\n\x10\x0bJ\x04\x08\x0b\x10\x0cJ\x04\x08\x0c\x10\rJ\x04\x08\r\x10\x0e\"\xf9\x02\n\x0eSamplingParams\x12=\n\x08strategy\x18\x01 \x01(\x0e\x32+.seqserve.worker.v1.SamplingParams.Strategy\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\x11\n\ttypical_p\x18\x05 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x01\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x15\n\rpenalty_alpha\x18\x08 \x01(\x01\x12\x10\n\x08logprobs\x18\t \x01(\x05\x12,\n\x04\x62\x65\x61m\x18\n \x01(\x0b\x32\x1e.seqserve.worker.v1.BeamParams\"a\n\x08Strategy\x12\x13\n\x0fSTRATEGY_GREEDY\x10\x00\x12\x13\n\x0fSTRATEGY_SAMPLE\x10\x01\x12\x18\n\x14STRATEGY_CONTRASTIVE\x10\x02\x12\x11\n\rSTRATEGY_BEAM\x10\x03\"\xa8\x01\n\nBeamParams\x12\x11\n\tnum_beams\x18\x01 \x01(\r\x12\x16\n\x0elength_penalty\x18\x02 \x01(\x01\x12\x39\n\x0e\x65\x61rly_stopping\x18\x03 \x01(\x0e\x32!.seqserve.worker.v1.EarlyStopping\x12\x1c\n\x14num_return_sequences\x18\x04 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\"\xa9\x01\n\x0bNewSequence\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rnum_generated\x18\x03 \x01(\r\x12\x32\n\x06params\x18\x04 \x01(\x0b\x32\".seqserve.worker.v1.SamplingParams\x12\x12\n\npin_tokens\x18\x05 \x01(\r\x12\x13\n\x0bprefill_end\x18\x06 \x01(\r\"0\n\x0cPrefillChunk\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\"\x1d\n\x05Group\x12\x14\n\x0csequence_ids\x18\x01 \x03(\x04\"\xcf\x02\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07release\x18\x02 \x03(\x04\x12\x30\n\x07prefill\x18\x03 \x03(\x0b\x32\x1f.seqserve.worker.v1.NewSequence\x12)\n\x06groups\x18\x04 \x03(\x0b\x32\x19.seqserve.worker.v1.Group\x12\x30\n\x06\x63hunks\x18\x05 \x03(\x0b\x32 .seqserve.worker.v1.PrefillChunk\x12\x36\n\x08\x66inished\x18\x10 \x03(\x0b\x32$.seqserve.worker.v1.FinishedSequence\x12\x10\n\x08swap_out\x18\x11 \x03(\x04\x12\x0f\n\x07swap_in\x18\x12 \x03(\x04\x12\x10\n\x08prefetch\x18\x13 \x03(\x04\x12\x12\n\nunprefetch\x18\x14 \x03(\x04\x12\x0e\n\x06urgent\x18\x15 \x01(\x08\"P\n\x10\x46inishedSequence\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\r\n\x05\x65xact\x18\x03 \x01(\x08\")\n\nTopLogprob\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"\xb0\x02\n\rSequenceToken\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x14\n\x07logprob\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x34\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1e.seqserve.worker.v1.TopLogprob\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x14\n\x0c\x62\x65\x61m_running\x18\n \x01(\x08\x12\x31\n\x05\x62\x65\x61ms\x18\x0b \x03(\x0b\x32\".seqserve.worker.v1.BeamHypothesis\x12$\n\x17predicted_output_tokens\x18\x0c \x01(\rH\x01\x88\x01\x01\x42\n\n\x08_logprobB\x1a\n\x18_predicted_output_tokens\"2\n\x0e\x42\x65\x61mHypothesis\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05score\x18\x02 \x01(\x01\"\xce\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x31\n\x06tokens\x18\x02 \x03(\x0b\x32!.seqserve.worker.v1.SequenceToken\x12\x15\n\rregroup_bytes\x18\x04 \x01(\x04\x12\x10\n\x08kv_slots\x18\x05 \x01(\x04\x12\x11\n\tkv_tokens\x18\x06 \x01(\x04\x12\x1a\n\x12prefix_cache_bytes\x18\x08 \x01(\x04\x12\x16\n\x0eworker_seconds\x18\t \x01(\x01J\x04\x08\x03\x10\x04J\x04\x08\x07\x10\x08\"\x0e\n\x0cResetRequest\"\x15\n\rResetResponseJ\x04\x08\x01\x10\x02\"\'\n\x0eStepsLinkHello\x12\x15\n\rcontrol_token\x18\x01 \x01(\t\"/\n\x0eStepsLinkError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\"\x83\x01\n\x0eStepsLinkFrame\x12\x34\n\x08response\x18\x01 \x01(\x0b\x32 .seqserve.worker.v1.StepResponseH\x00\x12\x33\n\x05\x65rror\x18\x02 \x01(\x0b\x32\".seqserve.worker.v1.StepsLinkErrorH\x00\x42\x06\n\x04\x62ody*\\\n\rEarlyStopping\x12\x18\n\x14\x45\x41RLY_STOPPING_FALSE\x10\x00\x12\x17\n\x13\x45\x41RLY_STOPPING_TRUE\x10\x01\x12\x18\n\x14\x45\x41RLY_STOPPING_NEVER\x10\x02\x32\xf1\x01\n\x06Worker\x12I\n\x04Info\x12\x1f.seqserve.worker.v1.InfoRequest\x1a .seqserve.worker.v1.InfoResponse\x12N\n\x05Steps\x12\x1f.seqserve.worker.v1.StepRequest\x1a .seqserve.worker.v1.StepResponse(\x01\x30\x01\x12L\n\x05Reset\x12 .seqserve.worker.v1.ResetRequest\x1a!.seqserve.worker.v1.ResetResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'seqserve.worker.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EARLYSTOPPING']._serialized_start=2522
-  _globals['_EARLYSTOPPING']._serialized_end=2614
+  _globals['_EARLYSTOPPING']._serialized_start=2560
+  _globals['_EARLYSTOPPING']._serialized_end=2652
   _globals['_INFOREQUEST']._serialized_start=55
   _globals['_INFOREQUEST']._serialized_end=68
   _globals['_INFORESPONSE']._serialized_start=71
-  _globals['_INFORESPONSE']._serialized_end=438
-  _globals['_SAMPLINGPARAMS']._serialized_start=441
-  _globals['_SAMPLINGPARAMS']._serialized_end=818
-  _globals['_SAMPLINGPARAMS_STRATEGY']._serialized_start=721
-  _globals['_SAMPLINGPARAMS_STRATEGY']._serialized_end=818
-  _globals['_BEAMPARAMS']._serialized_start=821
-  _globals['_BEAMPARAMS']._serialized_end=989
-  _globals['_NEWSEQUENCE']._serialized_start=992
-  _globals['_NEWSEQUENCE']._serialized_end=1161
-  _globals['_PREFILLCHUNK']._serialized_start=1163
-  _globals['_PREFILLCHUNK']._serialized_end=1211
-  _globals['_GROUP']._serialized_start=1213
-  _globals['_GROUP']._serialized_end=1242
-  _globals['_STEPREQUEST']._serialized_start=1245
-  _globals['_STEPREQUEST']._serialized_end=1564
-  _globals['_FINISHEDSEQUENCE']._serialized_start=1566
-  _globals['_FINISHEDSEQUENCE']._serialized_end=1646
-  _globals['_TOPLOGPROB']._serialized_start=1648
-  _globals['_TOPLOGPROB']._serialized_end=1689
-  _globals['_SEQUENCETOKEN']._serialized_start=1692
-  _globals['_SEQUENCETOKEN']._serialized_end=1996
-  _globals['_BEAMHYPOTHESIS']._serialized_start=1998
-  _globals['_BEAMHYPOTHESIS']._serialized_end=2048
-  _globals['_STEPRESPONSE']._serialized_start=2051
-  _globals['_STEPRESPONSE']._serialized_end=2257
-  _globals['_RESETREQUEST']._serialized_start=2259
-  _globals['_RESETREQUEST']._serialized_end=2273
-  _globals['_RESETRESPONSE']._serialized_start=2275
-  _globals['_RESETRESPONSE']._serialized_end=2296
-  _globals['_STEPSLINKHELLO']._serialized_start=2298
-  _globals['_STEPSLINKHELLO']._serialized_end=2337
-  _globals['_STEPSLINKERROR']._serialized_start=2339
-  _globals['_STEPSLINKERROR']._serialized_end=2386
-  _globals['_STEPSLINKFRAME']._serialized_start=2389
-  _globals['_STEPSLINKFRAME']._serialized_end=2520
-  _globals['_WORKER']._serialized_start=2617
-  _globals['_WORKER']._serialized_end=2858
+  _globals['_INFORESPONSE']._serialized_end=460
+  _globals['_SAMPLINGPARAMS']._serialized_start=463
+  _globals['_SAMPLINGPARAMS']._serialized_end=840
+  _globals['_SAMPLINGPARAMS_STRATEGY']._serialized_start=743
+  _globals['_SAMPLINGPARAMS_STRATEGY']._serialized_end=840
+  _globals['_BEAMPARAMS']._serialized_start=843
+  _globals['_BEAMPARAMS']._serialized_end=1011
+  _globals['_NEWSEQUENCE']._serialized_start=1014
+  _globals['_NEWSEQUENCE']._serialized_end=1183
+  _globals['_PREFILLCHUNK']._serialized_start=1185
+  _globals['_PREFILLCHUNK']._serialized_end=1233
+  _globals['_GROUP']._serialized_start=1235
+  _globals['_GROUP']._serialized_end=1264
+  _globals['_STEPREQUEST']._serialized_start=1267
+  _globals['_STEPREQUEST']._serialized_end=1602
+  _globals['_FINISHEDSEQUENCE']._serialized_start=1604
+  _globals['_FINISHEDSEQUENCE']._serialized_end=1684
+  _globals['_TOPLOGPROB']._serialized_start=1686
+  _globals['_TOPLOGPROB']._serialized_end=1727
+  _globals['_SEQUENCETOKEN']._serialized_start=1730
+  _globals['_SEQUENCETOKEN']._serialized_end=2034
+  _globals['_BEAMHYPOTHESIS']._serialized_start=2036
+  _globals['_BEAMHYPOTHESIS']._serialized_end=2086
+  _globals['_STEPRESPONSE']._serialized_start=2089
+  _globals['_STEPRESPONSE']._serialized_end=2295
+  _globals['_RESETREQUEST']._serialized_start=2297
+  _globals['_RESETREQUEST']._serialized_end=2311
+  _globals['_RESETRESPONSE']._serialized_start=2313
+  _globals['_RESETRESPONSE']._serialized_end=2334
+  _globals['_STEPSLINKHELLO']._serialized_start=2336
+  _globals['_STEPSLINKHELLO']._serialized_end=2375
+  _globals['_STEPSLINKERROR']._serialized_start=2377
+  _globals['_STEPSLINKERROR']._serialized_end=2424
+  _globals['_STEPSLINKFRAME']._serialized_start=2427
+  _globals['_STEPSLINKFRAME']._serialized_end=2558
+  _globals['_WORKER']._serialized_start=2655
+  _globals['_WORKER']._serialized_end=2896
 # @@protoc_insertion_point(module_scope)

@@ -21,7 +21,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "eos_token_ids", "max_position_embeddings", "dtype", "device", "kv_capacity_tokens", "steps_link_port", "kv_bytes_per_token", "swap_capacity_bytes", "swap_bytes_per_second", "prefill_tokens_per_second")
+    __slots__ = ("model_id", "architecture", "vocab_size", "eos_token_ids", "max_position_embeddings", "dtype", "device", "kv_capacity_tokens", "steps_link_port", "kv_bytes_per_token", "swap_capacity_bytes", "swap_bytes_per_second", "prefill_tokens_per_second", "urgent_steps")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class InfoResponse(_message.Message):
     SWAP_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     SWAP_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    URGENT_STEPS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -48,7 +49,8 @@ class InfoResponse(_message.Message):
     swap_capacity_bytes: int
     swap_bytes_per_second: float
     prefill_tokens_per_second: float
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., steps_link_port: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., swap_capacity_bytes: _Optional[int] = ..., swap_bytes_per_second: _Optional[float] = ..., prefill_tokens_per_second: _Optional[float] = ...) -> None: ...
+    urgent_steps: bool
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., steps_link_port: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., swap_capacity_bytes: _Optional[int] = ..., swap_bytes_per_second: _Optional[float] = ..., prefill_tokens_per_second: _Optional[float] = ..., urgent_steps: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("strategy", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "seed", "penalty_alpha", "logprobs", "beam")
@@ -129,7 +131,7 @@ class Group(_message.Message):
     def __init__(self, sequence_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "release", "prefill", "groups", "chunks", "finished", "swap_out", "swap_in", "prefetch", "unprefetch")
+    __slots__ = ("step_id", "release", "prefill", "groups", "chunks", "finished", "swap_out", "swap_in", "prefetch", "unprefetch", "urgent")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +142,7 @@ class StepRequest(_message.Message):
     SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_FIELD_NUMBER: _ClassVar[int]
     UNPREFETCH_FIELD_NUMBER: _ClassVar[int]
+    URGENT_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     release: _containers.RepeatedScalarFieldContainer[int]
     prefill: _containers.RepeatedCompositeFieldContainer[NewSequence]
@@ -150,7 +153,8 @@ class StepRequest(_message.Message):
     swap_in: _containers.RepeatedScalarFieldContainer[int]
     prefetch: _containers.RepeatedScalarFieldContainer[int]
     unprefetch: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., release: _Optional[_Iterable[int]] = ..., prefill: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., finished: _Optional[_Iterable[_Union[FinishedSequence, _Mapping]]] = ..., swap_out: _Optional[_Iterable[int]] = ..., swap_in: _Optional[_Iterable[int]] = ..., prefetch: _Optional[_Iterable[int]] = ..., unprefetch: _Optional[_Iterable[int]] = ...) -> None: ...
+    urgent: bool
+    def __init__(self, step_id: _Optional[int] = ..., release: _Optional[_Iterable[int]] = ..., prefill: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., finished: _Optional[_Iterable[_Union[FinishedSequence, _Mapping]]] = ..., swap_out: _Optional[_Iterable[int]] = ..., swap_in: _Optional[_Iterable[int]] = ..., prefetch: _Optional[_Iterable[int]] = ..., unprefetch: _Optional[_Iterable[int]] = ..., urgent: _Optional[bool] = ...) -> None: ...
 
 class FinishedSequence(_message.Message):
     __slots__ = ("sequence_id", "generated_tokens", "exact")

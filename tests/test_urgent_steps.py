@@ -1,0 +1,185 @@
+"""Urgent Steps on the worker (Engine.post_urgent): a new request's prefill that runs
+between two layers of the Step in progress, ahead of the Steps queued, with every
+output's bits unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import reference
+from tests.conftest import tiny_model
+from worker_service.engine import Engine, StepError
+from worker_service.model_runner import ModelRunner
+from worker_service.sequence import DecodingParams
+from worker_service.step import PrefillSpec
+
+LONG = [(i * 7919 + 11) % 900 + 3 for i in range(150)]  # a prompt: a Step of many layers
+SHORT = [(i * 104729 + 5) % 900 + 3 for i in range(9)]
+URGENT = [(i * 31 + 7) % 900 + 3 for i in range(23)]
+
+
+def _runner(tmp_path, dtype: str, size: str = "tiny") -> ModelRunner:
+    if dtype == "float32":
+        return ModelRunner(str(tiny_model("llama")))
+    from worker_service.fixtures import make_model
+
+    model = make_model(tmp_path / f"llama-bf16-{size}", arch="llama", size=size,
+                       dtype="bfloat16", seed=3)
+    return ModelRunner(str(model), dtype="bfloat16")
+
+
+def _run(engine: Engine, nested: bool, steps: int = 6) -> dict[int, list[int]]:
+    """Sequence 1 decodes while sequence 2's long prompt is prefilled; the urgent sequence
+    3 is posted during that Step (`nested`: it runs between two of its layers) or run on
+    its own just before it. The Step after it is planned without 3, as the scheduler
+    planned it before 3 was sent; the ones after place 3 beside the others."""
+    got: dict[int, list[int]] = {1: [], 2: [], 3: []}
+
+    def take(result):
+        for t in result.tokens:
+            got[t.seq_id].append(t.token_id)
+
+    take(engine.step([], [PrefillSpec(1, SHORT, 0, DecodingParams())], [[1]]))
+    urgent = [PrefillSpec(3, URGENT, 0, DecodingParams())]
+    if nested:
+        forward = engine.runner.forward
+        posted = []
+
+        def posting_forward(batch, rows=None, between=None):
+            if not posted:  # the first forward of the Step: post once its layers began
+                posted.append(engine.post_urgent(urgent, [[3]]))
+            return forward(batch, rows, between)
+        engine.runner.forward = posting_forward
+        take(engine.step([], [PrefillSpec(2, LONG, 0, DecodingParams())], [[1], [2]]))
+        engine.runner.forward = forward
+        assert posted[0].done(), "the urgent Step should have run inside the Step's forward"
+        assert engine.runner.layer_loop is None or engine._nested_seconds > 0
+        take(posted[0].result())
+    else:
+        take(engine.urgent_step(urgent, [[3]]))
+        take(engine.step([], [PrefillSpec(2, LONG, 0, DecodingParams())], [[1], [2]]))
+    take(engine.step([], [], [[1, 2]]))  # planned before 3 was sent: 3 waits
+    for _ in range(steps):
+        take(engine.step([], [], [[1, 2], [3]]))
+    return got
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_urgent_step_between_layers_leaves_every_output_unchanged(tmp_path, dtype):
+    nested = _run(Engine(_runner(tmp_path, dtype)), nested=True)
+    alone = _run(Engine(_runner(tmp_path, dtype)), nested=False)
+    assert nested == alone
+    assert len(nested[3]) == 7 and len(nested[1]) == 9
+    if dtype == "float32":
+        _, model = reference.load(str(tiny_model("llama")))
+        for ids, sid in ((SHORT, 1), (LONG, 2), (URGENT, 3)):
+            x = torch.tensor([ids])
+            with torch.inference_mode():
+                out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                     max_new_tokens=len(nested[sid]), pad_token_id=1)
+            want = out[0, len(ids):].tolist()
+            assert reference.same_until_eos(nested[sid], want, model.config.eos_token_id), sid
+
+
+def test_the_c_layers_stop_where_asked_and_go_on_with_the_same_bits(tmp_path):
+    """The pause flag stops the C call at a layer boundary; `between` runs there (twice in
+    three layers)."""
+    runner = _runner(tmp_path, "bfloat16", "odd")
+    loop = runner.layer_loop
+    if loop is None or loop.step_layers is None:
+        pytest.skip("no C step layers here")
+    from worker_service.kv_groups import KVGroup
+    from worker_service.packed_batch import PackedBatch
+
+    def forward(between=None):
+        group = KVGroup(runner.kv_shape)
+        group.add_empty_row(0, len(LONG) + 1)
+        batch = PackedBatch(runner.device, runner.layer_attention)
+        batch.add_row(group, 0, LONG, 0)
+        return runner.forward(batch, [len(LONG) - 1], between)
+
+    plain = forward()
+    calls = []
+
+    def between():
+        calls.append(1)
+        if len(calls) < 2:
+            loop.pause.value = 1  # stop again before the next layer
+        else:
+            loop.pause.value = 0
+
+    loop.pause.value = 1
+    stopped = forward(between)
+    assert len(calls) == 2
+    assert torch.equal(plain, stopped)
+
+
+def test_an_urgent_step_takes_only_new_greedy_or_sampled_sequences(tmp_path):
+    engine = Engine(_runner(tmp_path, "float32"))
+    engine.step([], [PrefillSpec(1, SHORT, 0, DecodingParams())], [[1]])
+    with pytest.raises(StepError, match="already exists"):
+        engine.urgent_step([PrefillSpec(1, SHORT, 0, DecodingParams())], [[1]])
+    with pytest.raises(StepError, match="unknown"):
+        engine.urgent_step([PrefillSpec(4, SHORT, 0, DecodingParams())], [[4, 1]])
+    from seqserve_common.decoding import DecodingStrategy
+    with pytest.raises(StepError, match="greedy or sampled"):
+        engine.urgent_step([PrefillSpec(5, SHORT, 0, DecodingParams(
+            strategy=DecodingStrategy.CONTRASTIVE, top_k=4))], [[5]])
+    # A Step that names neither keeps the earlier sequences exactly as before.
+    assert len(engine.step([], [], [[1]]).tokens) == 1
+
+
+@pytest.mark.parametrize("urgent_steps", [True, False], ids=["urgent-steps", "off"])
+def test_an_urgent_request_goes_ahead_of_the_steps_in_flight(llama_dir, deploy, urgent_steps):
+    """On the real processes: an urgent request that finds a free slot while less urgent
+    work decodes is prefilled in an urgent Step (none with the option off); every greedy
+    reply equals model.generate."""
+    import asyncio
+    import random
+
+    from transformers import AutoTokenizer
+
+    from bench.metrics import scrape
+    from client import AsyncClient
+
+    d = deploy(llama_dir, max_rolling_batch_size=4, scheduling_policy="priority",
+               priority_urgent_steps=str(urgent_steps).lower())
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    rng = random.Random(8)
+    lows = [reference.prompt_of_tokens(tok, n, rng) for n in (120, 80)]
+    urgent_prompts = [reference.prompt_of_tokens(tok, n, rng) for n in (12, 30)]
+
+    async def scenario():
+        async with AsyncClient(d.address) as c:
+            started = asyncio.Event()
+            counts = [0, 0]
+
+            async def low(i):
+                ids = []
+                async for chunk in c.stream(lows[i], max_new_tokens=80, ignore_eos=True,
+                                            priority=5):
+                    if chunk.token_id is not None:
+                        ids.append(chunk.token_id)
+                        counts[i] += 1
+                        if min(counts) >= 5:
+                            started.set()
+                return ids
+
+            async def urgent(prompt, delay):
+                await started.wait()
+                await asyncio.sleep(delay)
+                reply = await c.generate(prompt, max_new_tokens=6, priority=-5)
+                return reply.token_ids
+
+            return await asyncio.gather(low(0), low(1), urgent(urgent_prompts[0], 0),
+                                        urgent(urgent_prompts[1], 0.01))
+
+    *low_ids, u0, u1 = asyncio.run(scenario())
+    sent = scrape(d.metrics_url)["seqserve_urgent_steps_total"]
+    assert sent >= 1 if urgent_steps else sent == 0
+    assert u0 == reference.greedy(llama_dir, urgent_prompts[0], 6)
+    assert u1 == reference.greedy(llama_dir, urgent_prompts[1], 6)
+    for prompt, ids in zip(lows, low_ids):
+        assert reference.same_until_eos(ids, reference.greedy(llama_dir, prompt, 80),
+                                         tok.eos_token_id)
