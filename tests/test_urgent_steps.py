@@ -60,8 +60,10 @@ def _run(engine: Engine, nested: bool, steps: int = 6) -> dict[int, list[int]]:
         take(engine.urgent_step(urgent, [[3]]))
         take(engine.step([], [PrefillSpec(2, LONG, 0, DecodingParams())], [[1], [2]]))
     take(engine.step([], [], [[1, 2]]))  # planned before 3 was sent: 3 waits
-    for _ in range(steps):
-        take(engine.step([], [], [[1, 2], [3]]))
+    for i in range(steps):
+        # 1 joins 3's group (3 holds more KV, so its group is kept and 1 copied in), later
+        # all three share one.
+        take(engine.step([], [], [[2], [1, 3]] if i < steps // 2 else [[1, 2, 3]]))
     return got
 
 
@@ -183,3 +185,74 @@ def test_an_urgent_request_goes_ahead_of_the_steps_in_flight(llama_dir, deploy, 
     for prompt, ids in zip(lows, low_ids):
         assert reference.same_until_eos(ids, reference.greedy(llama_dir, prompt, 80),
                                          tok.eos_token_id)
+
+
+def _stepping_servicer(tmp_path):
+    """A worker servicer with its own compute thread over the 3-layer bfloat16 model,
+    whose forwards can be held: `gate` is set while the held forward waits, which goes on
+    once `release` is set."""
+    import threading
+
+    from worker_service.metrics import WorkerMetrics
+    from worker_service.servicer import WorkerServicer
+
+    engine = Engine(_runner(tmp_path, "bfloat16", "odd"))
+    servicer = WorkerServicer(kv_cache_bytes=64 << 20, metrics=WorkerMetrics())
+    servicer.attach(engine)
+    gate, release = threading.Event(), threading.Event()
+    forward = engine.runner.forward
+
+    def held_forward(batch, rows=None, between=None):
+        if between is not None and not gate.is_set():  # a Step's, not an urgent one's
+            gate.set()
+            assert release.wait(30)
+        return forward(batch, rows, between)
+    engine.runner.forward = held_forward
+    return servicer, gate, release
+
+
+def _step_request(step_id: int, seq_id: int, prompt: list[int], urgent: bool = False):
+    from seqserve.worker.v1 import worker_pb2
+
+    return worker_pb2.StepRequest(
+        step_id=step_id, urgent=urgent,
+        prefill=[worker_pb2.NewSequence(sequence_id=seq_id, token_ids=prompt,
+                                        params=worker_pb2.SamplingParams())],
+        groups=[worker_pb2.Group(sequence_ids=[seq_id])])
+
+
+def test_the_steps_stream_answers_an_urgent_step_first(tmp_path):
+    """Through the servicer's Steps stream: an urgent Step read while a Step's forward
+    runs is answered first, having run between that forward's layers."""
+    servicer, gate, release = _stepping_servicer(tmp_path)
+
+    def requests():
+        yield _step_request(1, 1, LONG)
+        assert gate.wait(30)
+        yield _step_request(2, 2, URGENT, urgent=True)
+        release.set()
+
+    answers = list(servicer.run_steps(requests()))
+    assert [a.step_id for a in answers] == [2, 1]
+    assert [t.sequence_id for a in answers for t in a.tokens] == [2, 1]
+    metrics = servicer.metrics.urgent_between_layers._value.get()
+    if servicer.engine.runner.layer_loop is not None:
+        assert metrics == 1
+
+
+def test_a_reset_while_a_step_runs_returns(tmp_path):
+    """Reset waits for the compute thread outside the servicer's lock: the Step running
+    meanwhile takes that lock when it ends, so waiting under it would hang both."""
+    import threading
+
+    servicer, gate, release = _stepping_servicer(tmp_path)
+    stream = threading.Thread(target=lambda: list(servicer.run_steps(
+        iter([_step_request(1, 1, LONG)]))), daemon=True)
+    stream.start()
+    assert gate.wait(30)
+    reset = threading.Thread(target=servicer.Reset, args=(None, None), daemon=True)
+    reset.start()
+    release.set()
+    reset.join(20)
+    assert not reset.is_alive(), "Reset hung"
+    assert not servicer.engine.sequences

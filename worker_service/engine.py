@@ -293,6 +293,12 @@ class Engine:
     def urgent_step(self, prefill: list[PrefillSpec], plan: list[list[int]]) -> StepResult:
         """Prefill new greedy or sampled sequences in groups of their own and choose their
         first tokens, touching nothing else: it may run inside another Step's forward."""
+        # Called inside a forward it leaves inference mode, as a Step runs: its groups'
+        # buffers are copied into by later Steps' regrouping.
+        with torch.inference_mode(False):
+            return self._urgent_step(prefill, plan)
+
+    def _urgent_step(self, prefill: list[PrefillSpec], plan: list[list[int]]) -> StepResult:
         t0 = time.perf_counter()
         result = StepResult()
         new_ids = step_checks.new_sequences(prefill, self.sequences, self.swap or ())

@@ -112,7 +112,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if not expired:
                     continue
                 self._generation += 1  # the silent scheduler's stream takes no more Steps
-                self._compute.submit(engine.drop_sequences).result()
+                dropped = self._compute.submit(engine.drop_sequences)
+            # Waited for outside the lock: a Step ending meanwhile takes it (_step_done)
+            # on the compute thread, which would then never run the drop.
+            dropped.result()
             logger.warning("no word from the scheduler for %.0f s (option.worker_lease): "
                            "dropped its sequences", self.lease_seconds)
             if self.metrics is not None:
@@ -148,7 +151,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._renew()
         with self._lock:
             self._generation += 1
-            self._compute.submit(engine.reset).result()
+            done = self._compute.submit(engine.reset)
+        done.result()  # outside the lock, as in watch_lease
         if self.metrics is not None:
             self.metrics.dropped_all()
         logger.info("reset: all sequences dropped")
