@@ -181,10 +181,13 @@ class IterationLoop:
                     # The next Step is planned while the worker runs those in flight,
                     # shortly before it needs it; if an answer comes first it waits until
                     # the next Step is sent, as it would have without the hold.
-                    if 0 < len(self._inflight) < self.steps_in_flight:
+                    # Urgent Steps come on top: an urgent answer that comes first leaves
+                    # the pipeline as deep as before.
+                    regular = self._regular_in_flight()
+                    if 0 < regular < self.steps_in_flight:
                         await self._hold_next()
-                    sent = await self._send_next()
-                    if sent and len(self._inflight) < self.steps_in_flight:
+                    sent = regular < self.steps_in_flight and await self._send_next()
+                    if sent and self._regular_in_flight() < self.steps_in_flight:
                         continue  # plan the next step while this one runs
                     if self._inflight:
                         await self._receive()
@@ -196,6 +199,9 @@ class IterationLoop:
                     await recover(self, exc)
         finally:
             self._close_stream()
+
+    def _regular_in_flight(self) -> int:
+        return sum(not f.plan.urgent for f in self._inflight)
 
     async def _hold_next(self) -> None:
         """Wait until the next Step should be planned (StepPacer), or the oldest Step's
@@ -274,6 +280,11 @@ class IterationLoop:
 
     async def _send_next(self) -> bool:
         """Plan and send the next Step if there is one to send now; returns whether one went."""
+        if self._inflight and len(self.waiting) and self.info.urgent_steps:
+            # An urgent arrival the waits for answers did not see (it came with one) goes
+            # ahead of the Steps in flight rather than behind them.
+            self._urgent_arrival.clear()
+            await self._send_urgent()
         advancing = [s for s in self.running.values() if s.advancing]
         if not advancing and not (self.admitting and len(self.waiting)):
             if self.to_release and not self._inflight:

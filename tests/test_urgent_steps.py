@@ -4,6 +4,8 @@ output's bits unchanged."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -256,3 +258,113 @@ def test_a_reset_while_a_step_runs_returns(tmp_path):
     reset.join(20)
     assert not reset.is_alive(), "Reset hung"
     assert not servicer.engine.sequences
+
+
+class _ServicerStream:
+    """The loop's Steps stream over the real servicer's `run_steps`, in process: the
+    requests go to it through a queue, its answers come back on the event loop."""
+
+    def __init__(self, worker):
+        import queue
+        import threading
+
+        self.worker = worker
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.answers: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def serve():
+            for answer in worker.servicer.run_steps(iter(self.requests.get, None)):
+                loop.call_soon_threadsafe(self.answers.put_nowait, answer)
+        threading.Thread(target=serve, daemon=True).start()
+
+    async def send(self, step_id, plan):
+        from scheduler_service.worker_client import encode_step
+
+        self.requests.put(encode_step(step_id, plan))
+        self.worker.sent.append(plan.urgent)
+        in_flight = self.worker.in_flight = self.worker.in_flight + (not plan.urgent)
+        self.worker.most_regular = max(self.worker.most_regular, in_flight)
+
+    async def receive(self):
+        from scheduler_service.worker_client import StepAnswer
+
+        answer = StepAnswer.from_proto(await self.answers.get())
+        self.worker.in_flight -= answer.step_id not in self.worker.urgent_ids()
+        return answer
+
+    def close(self):
+        self.requests.put(None)
+
+
+class _InProcessWorker:
+    address = "in-process"
+
+    def __init__(self, engine: Engine):
+        from scheduler_service.worker_client import WorkerInfo
+        from worker_service.metrics import WorkerMetrics
+        from worker_service.servicer import WorkerServicer
+
+        self.servicer = WorkerServicer(kv_cache_bytes=64 << 20, metrics=WorkerMetrics())
+        self.servicer.attach(engine)
+        self.info = WorkerInfo.from_proto(self.servicer.Info(None, None))
+        self.sent: list[bool] = []  # whether each Step sent was urgent, in order
+        self.in_flight = self.most_regular = 0
+
+    def urgent_ids(self) -> set[int]:
+        return {i + 1 for i, urgent in enumerate(self.sent) if urgent}
+
+    def open_steps(self):
+        return _ServicerStream(self)
+
+    async def wait_ready(self, timeout):
+        return self.info
+
+
+def test_urgent_steps_keep_the_pipeline_as_deep_as_before():
+    """The loop over the real worker (no gRPC): urgent requests sent while less urgent ones
+    decode go in urgent Steps, whose answers come first; the regular Steps in flight never
+    exceed steps_in_flight, and every reply equals model.generate."""
+    from transformers import AutoTokenizer
+
+    from scheduler_service.loop import IterationLoop
+    from scheduler_service.metrics import SchedulerMetrics
+    from scheduler_service.policies.priority import PriorityAdmission
+    from tests.loop_driver import greedy_sequence, run_to_the_end
+
+    model = tiny_model("llama")
+    tok = AutoTokenizer.from_pretrained(str(model))
+    worker = _InProcessWorker(Engine(ModelRunner(str(model))))
+
+    async def scenario():
+        loop = IterationLoop(worker, max_rolling_batch_size=8, max_queue=16, max_sparsity=0.3,
+                             max_splits=2, worker_timeout=30, metrics=SchedulerMetrics(),
+                             max_num_batched_tokens=64, steps_in_flight=2,
+                             policy=PriorityAdmission(64, 16, urgent_steps=True))
+        low = [greedy_sequence(loop, tok, "a long story " * n, 40) for n in (12, 20)]
+        for s in low:
+            s.priority = 5
+        task = asyncio.create_task(run_to_the_end(loop, low, timeout=120))
+        while min(len(s.output_ids) for s in low) < 3:
+            await asyncio.sleep(0.001)
+        urgent = []
+        for text in ("now please", "and this one too"):
+            s = greedy_sequence(loop, tok, text, 5)
+            s.priority = -5
+            urgent.append(s)
+            loop.submit(s)
+            await asyncio.sleep(0.003)
+        loop_task, _ = await task
+        while any(not s.finished for s in urgent):
+            await asyncio.sleep(0.01)
+        loop.stop()
+        await loop_task
+        return low + urgent
+
+    seqs = asyncio.run(scenario())
+    assert any(worker.sent), "no urgent Step was sent"
+    assert worker.most_regular == 2
+    for s in seqs:
+        want = reference.greedy(model, tok.decode(s.prompt_ids, skip_special_tokens=True),
+                                len(s.output_ids))
+        assert reference.same_until_eos(s.output_ids, want, tok.eos_token_id)
