@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol
 
 from scheduler_service.chunking import ChunkLimit, chunk_end
 from scheduler_service.sequence import Sequence, Status
+from seqserve_common.decoding import DecodingStrategy
 
 
 class QueueFull(Exception):
@@ -115,6 +116,8 @@ class AdmissionPolicy(Protocol):
     # Whether `preempt` may stop running sequences when nothing waits (a reservation
     # outgrown); if not, the loop skips both calls on an empty queue.
     watches_running: bool
+    # Whether `urgent` may name requests; if not, the loop never asks.
+    urgent_steps: bool
 
     def admit(self, waiting: WaitingQueue, budget: Budget) -> list[Sequence]: ...
 
@@ -151,6 +154,7 @@ class FCFSAdmission:
     request is never starved by smaller ones behind it. Never preempts."""
 
     watches_running = False
+    urgent_steps = False
 
     def preempt(self, waiting: WaitingQueue, running: list[Sequence],
                 budget: Budget) -> list[Sequence]:
@@ -175,6 +179,20 @@ class FCFSAdmission:
 
     def urgent(self, waiting: WaitingQueue, running: Iterable[Sequence]) -> list[Sequence]:
         return []  # arrival order: none goes ahead of work already running
+
+
+def urgent_admissions(candidates: Iterable[Sequence], budget: Budget) -> list[Sequence]:
+    """Of the policy's urgent requests (`AdmissionPolicy.urgent`, in its order), those an
+    urgent Step takes: the run of greedy and sampled ones (the worker's rule; a swapped-out
+    one comes back through swap_in, in a Step of its own) that fits `budget` without
+    preempting anyone."""
+    usable = []
+    for s in candidates:
+        if s.swapped or s.params.strategy not in (DecodingStrategy.GREEDY,
+                                                  DecodingStrategy.SAMPLE):
+            break
+        usable.append(s)
+    return fitting_prefix(usable, budget)
 
 
 def fitting_prefix(candidates: Iterable[Sequence], budget: Budget,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from dataclasses import replace
 from typing import Callable
 
@@ -21,7 +20,7 @@ from scheduler_service.admission import (
     Budget,
     FCFSAdmission,
     WaitingQueue,
-    fitting_prefix,
+    urgent_admissions,
 )
 from scheduler_service.batch_plan import BatchPlanner, StepPlan
 from scheduler_service.chunking import Chunk, StepBudget
@@ -30,11 +29,9 @@ from scheduler_service.output import LOCAL
 from scheduler_service.preemption import Swapper, preempt, prefetch_limit
 from scheduler_service.recovery import recover
 from scheduler_service.sequence import FinishReason, Sequence, Status
-from seqserve_common.decoding import DecodingStrategy
-from scheduler_service.step_pacing import SentStep, StepPacer
+from scheduler_service.step_pipeline import StepPipeline
 from scheduler_service.worker_client import (
     StepFailed,
-    StepStream,
     StepToken,
     WorkerClient,
     WorkerInfo,
@@ -58,6 +55,7 @@ class IterationLoop:
         self.swap_prefetch = swap_prefetch
         self.max_batch = max_rolling_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy or FCFSAdmission()
         self._use(worker.info)
         self.chunked = enable_chunked_prefill
         self.worker_timeout = worker_timeout
@@ -67,7 +65,6 @@ class IterationLoop:
         self.to_release: list[int] = []
         self._finished: list[tuple[int, int, bool]] = []  # for the next Step (StepPlan)
         self.length_labels = length_labels  # does the worker's length probe learn from them
-        self.policy = policy or FCFSAdmission()
         self.planner = BatchPlanner(max_sparsity, max_splits)
         self.step_id = 0
         self.admitting = True
@@ -76,22 +73,7 @@ class IterationLoop:
         self._stopped = False
         self._step_failures: dict[int, int] = {}  # seq_id -> failed Steps since its last token
         self._one_at_a_time = 0  # admissions left to make singly after a failed Step
-        # Steps sent ahead of their predecessors' answers (vLLM's async scheduling): with 2,
-        # the worker finds the next Step queued when it ends one, instead of idling for the
-        # answer's round trip and the scheduler's bookkeeping.
-        self.steps_in_flight = steps_in_flight
-        self._inflight: deque[SentStep] = deque()
-        self._stream: StepStream | None = None
-        self._last_answer = 0.0
-        # A Step sent ahead waits until just before the worker should need it, so that
-        # requests arriving meanwhile join it (step_pacing.py); the oldest Step's answer,
-        # when the loop is holding the next one, arrives in `_answer`.
-        self.pacer = StepPacer(step_send_lead_ms / 1000 if step_send_lead_ms >= 0 else -1.0)
-        self._answer: asyncio.Future | None = None
-        self._answered_at = 0.0  # perf_counter when the last answer arrived
-        # Set by an arrival the policy may send in an urgent Step (AdmissionPolicy.urgent):
-        # the loop's waits for answers then plan one at once.
-        self._urgent_arrival = asyncio.Event()
+        self.steps = StepPipeline(worker, steps_in_flight, step_send_lead_ms)
         # Whether a worker serves: readiness, as health checks and /ping report it.
         self.worker_up = True
         self.on_worker_state: Callable[[bool], None] = lambda up: None
@@ -103,6 +85,8 @@ class IterationLoop:
     def _use(self, info: WorkerInfo) -> None:
         """Take up what the loop plans with from a (re)connected worker's Info."""
         self.info = info
+        # Urgent Steps where both the policy and the worker take them.
+        self.urgent_steps = info.urgent_steps and self.policy.urgent_steps
         self.eos_ids = info.eos_token_ids
         self.kv_budget = info.kv_capacity_tokens
         # It holds no swapped KV yet.
@@ -121,8 +105,8 @@ class IterationLoop:
         self.metrics.requests_received.inc()
         self.metrics.set_waiting(self.name, len(self.waiting))
         self._wakeup.set()
-        if self._inflight and self.info.urgent_steps:
-            self._urgent_arrival.set()
+        if self.steps.inflight and self.urgent_steps:
+            self.steps.urgent_arrival.set()
 
     def adopt(self, seqs: list[Sequence]) -> None:
         """Take requests another worker's loop could not run, ahead of this one's queue:
@@ -183,13 +167,13 @@ class IterationLoop:
                     # the next Step is sent, as it would have without the hold.
                     # Urgent Steps come on top: an urgent answer that comes first leaves
                     # the pipeline as deep as before.
-                    regular = self._regular_in_flight()
-                    if 0 < regular < self.steps_in_flight:
-                        await self._hold_next()
-                    sent = regular < self.steps_in_flight and await self._send_next()
-                    if sent and self._regular_in_flight() < self.steps_in_flight:
+                    regular = self.steps.regular()
+                    if 0 < regular < self.steps.depth:
+                        await self.steps.hold(self._on_urgent())
+                    sent = regular < self.steps.depth and await self._send_next()
+                    if sent and self.steps.regular() < self.steps.depth:
                         continue  # plan the next step while this one runs
-                    if self._inflight:
+                    if self.steps.inflight:
                         await self._receive()
                         continue
                     if not sent and not self._has_work():
@@ -198,66 +182,23 @@ class IterationLoop:
                 except StepFailed as exc:
                     await recover(self, exc)
         finally:
-            self._close_stream()
+            self.steps.close()
 
-    def _regular_in_flight(self) -> int:
-        return sum(not f.plan.urgent for f in self._inflight)
-
-    async def _hold_next(self) -> None:
-        """Wait until the next Step should be planned (StepPacer), or the oldest Step's
-        answer arrives (the worker was quicker than expected)."""
-        first = self._inflight[0]
-        delay = self.pacer.delay(max(first.sent, self._answered_at),
-                                 [f.size for f in self._inflight], time.perf_counter())
-        if delay <= 0:
-            return
-        await self._wait_answer(delay)
-
-    async def _wait_answer(self, timeout: float | None = None) -> None:
-        """Wait until the next answer is in `_answer` (or `timeout` seconds pass); an
-        urgent arrival meanwhile is sent in an urgent Step at once."""
-        if self._answer is None:
-            self._answer = asyncio.ensure_future(self._stream.receive())
-        deadline = None if timeout is None else time.perf_counter() + timeout
-        while not self._answer.done():
-            if self._urgent_arrival.is_set():
-                self._urgent_arrival.clear()
-                await self._send_urgent()
-                continue
-            left = None if deadline is None else deadline - time.perf_counter()
-            if left is not None and left <= 0:
-                return
-            if not self.info.urgent_steps:
-                await asyncio.wait({self._answer}, timeout=left)
-                return
-            arrival = asyncio.ensure_future(self._urgent_arrival.wait())
-            try:
-                await asyncio.wait({self._answer, arrival}, timeout=left,
-                                   return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                arrival.cancel()
+    def _on_urgent(self):
+        """What a wait for an answer does with an urgent arrival (None: nothing)."""
+        return self._send_urgent if self.urgent_steps else None
 
     async def _send_urgent(self) -> None:
         """Prefill the waiting requests that the policy says should not wait for the next
         Step, where they fit without preempting anyone, in an urgent Step (StepPlan.urgent)."""
-        if (not self.admitting or self._one_at_a_time or self._stream is None
-                or not self._inflight):
-            return
-        candidates = self.policy.urgent(self.waiting, self.running.values())
-        # Greedy and sampled requests only (the worker's rule); a swapped-out one comes
-        # back through swap_in, in a Step of its own.
-        usable = []
-        for s in candidates:
-            if s.swapped or s.params.strategy not in (DecodingStrategy.GREEDY,
-                                                      DecodingStrategy.SAMPLE):
-                break
-            usable.append(s)
-        if not usable:
+        if (not self.admitting or self._one_at_a_time or self.steps.stream is None
+                or not self.steps.inflight):
             return
         reserved = sum(s.reserved_tokens for s in self.running.values())
         budget = Budget(self.max_batch - len(self.running), self.kv_budget - reserved,
                         self.max_num_batched_tokens, self.chunked)
-        admitted = fitting_prefix(usable, budget)
+        admitted = urgent_admissions(
+            self.policy.urgent(self.waiting, self.running.values()), budget)
         if not admitted:
             return  # no room: the next Step preempts for it, as before
         now = time.monotonic()
@@ -280,14 +221,14 @@ class IterationLoop:
 
     async def _send_next(self) -> bool:
         """Plan and send the next Step if there is one to send now; returns whether one went."""
-        if self._inflight and len(self.waiting) and self.info.urgent_steps:
+        if self.steps.inflight and len(self.waiting) and self.urgent_steps:
             # An urgent arrival the waits for answers did not see (it came with one) goes
             # ahead of the Steps in flight rather than behind them.
-            self._urgent_arrival.clear()
+            self.steps.urgent_arrival.clear()
             await self._send_urgent()
         advancing = [s for s in self.running.values() if s.advancing]
         if not advancing and not (self.admitting and len(self.waiting)):
-            if self.to_release and not self._inflight:
+            if self.to_release and not self.steps.inflight:
                 await self._send(self._plan([], []))  # free the worker's KV now
                 return True
             return False
@@ -298,7 +239,7 @@ class IterationLoop:
         # urgent prompt's or behind a Step in flight that pays such chunks
         # (policies/urgent_shield.py).
         budget = StepBudget.for_decoding(self.max_num_batched_tokens, self.chunked, advancing)
-        background_in_flight = any(f.background for f in self._inflight)
+        background_in_flight = self.steps.background
         admitted = self._admit(budget, background_in_flight) if self.admitting else []
         advancing = [s for s in advancing if s.seq_id in self.running]  # less the preempted
         order = self.policy.prefill_order([s for s in advancing if s.prefilling], admitted,
@@ -377,34 +318,21 @@ class IterationLoop:
         self.waiting.tick()
         for sid in plan.token_ids():
             self.running[sid].in_flight += 1
-        if self._stream is None:
-            self._stream = self.worker.open_steps()
-        t1 = time.perf_counter()
-        self._inflight.append(SentStep(plan, self.step_id, t1, t1 - t0, background))
-        await self._stream.send(self.step_id, plan)
+        await self.steps.send(self.step_id, plan, t0, background)
 
     async def _receive(self) -> None:
-        """Wait for the next answer (the oldest Step's, or an urgent one's that went ahead
-        of it) and hand out its tokens."""
-        await self._wait_answer()
-        answer, self._answer = self._answer.result(), None
-        t2 = self._answered_at = time.perf_counter()
-        at = next((i for i, f in enumerate(self._inflight) if f.step_id == answer.step_id),
-                  None)
-        if at is None or (at and not self._inflight[at].plan.urgent):
-            raise StepFailed("INTERNAL", f"the worker answered step {answer.step_id} where "
-                                         f"step {self._inflight[0].step_id} was due")
-        step = self._inflight[at]
-        del self._inflight[at]
+        """Wait for the next answer and hand out its tokens."""
+        step, answer = await self.steps.answer(self._on_urgent())
+        t2 = self.steps.answered_at
         for tok in answer.tokens:
             self._on_token(tok, answer.step_id)
         t3 = time.perf_counter()
         # The loop's wait for this answer, from when it could first have come (the step was
         # sent, and the one before it answered); what the worker did not spend is the RPC.
-        waited = t2 - max(step.sent, self._last_answer)
-        self._last_answer = t3
+        waited = t2 - max(step.sent, self.steps.last_answer)
+        self.steps.last_answer = t3
         self.metrics.observe_step(self.name, step.plan, answer, step.plan_seconds, waited, t3 - t2)
-        self.pacer.observe(*step.size, answer.worker_seconds)
+        self.steps.pacer.observe(*step.size, answer.worker_seconds)
         self.publish_load()
 
     def publish_load(self) -> None:
@@ -412,17 +340,6 @@ class IterationLoop:
         reserved = sum(s.reserved_tokens for s in self.running.values())
         self.metrics.set_load(self.name, len(self.running), reserved, self.kv_budget,
                               len(self.swapper.out))
-
-    def _close_stream(self) -> None:
-        if self._answer is not None:
-            if self._answer.done() and not self._answer.cancelled():
-                self._answer.exception()  # retrieved: the failure is being handled
-            self._answer.cancel()
-            self._answer = None
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
-        self._inflight.clear()
 
     # --- tokens and endings -----------------------------------------------------------------
 

@@ -28,7 +28,7 @@ MAX_STEP_FAILURES = 3
 async def recover(loop: IterationLoop, exc: StepFailed) -> None:
     """The worker failed a Step: wait for it, then re-admit every running sequence by
     prefilling its prompt plus the tokens already sent, so no token is lost."""
-    failed = loop._inflight[0] if loop._inflight else None
+    failed = loop.steps.inflight[0] if loop.steps.inflight else None
     logger.warning("step %d failed (%s: %s); re-admitting %d running sequences",
                    failed.step_id if failed else loop.step_id, exc.code, exc.details,
                    len(loop.running))
@@ -38,7 +38,7 @@ async def recover(loop: IterationLoop, exc: StepFailed) -> None:
                 | set(failed.plan.swap_out) if failed else set(loop.running))
     loop._recovering = True
     loop._set_worker_up(False)
-    loop._close_stream()  # the Steps sent after the failed one are void
+    loop.steps.close()  # the Steps sent after the failed one are void
     readmit = list(loop.running.values())
     take_off_worker(readmit)
     loop.swapper.forget()

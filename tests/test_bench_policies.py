@@ -169,6 +169,7 @@ def test_urgent_class_against_idle_ttft():
     assert u["ttft"]["p99_ms"] == pytest.approx(200 + 0.99 * 100)  # of 0.2 s and 0.3 s
     assert u["idle_ttft_median_ms"] == pytest.approx(150)
     assert u["p99_over_idle"] == pytest.approx(299 / 150)
+    assert u["p99_over_idle_p99"] == pytest.approx(299 / 199)
     assert u["slowdown_p99"] == pytest.approx(2 - 0.01 * 0.5)  # slowdowns 2.0 and 1.5
     assert urgent_class({"per_request": per}, [], []) is None
 
@@ -238,7 +239,8 @@ def _run(policy: str, fraction: float, e2e_mean: float, itl_p99: float = 100.0,
                "goodput": {"request_goodput": 0.5}}
     urgent = None if urgent_p99 is None else {
         "ttft": {"p99_ms": urgent_p99}, "idle_ttft_median_ms": 50.0,
-        "p99_over_idle": urgent_p99 / 50.0, "slowdown_p99": 3.0}
+        "p99_over_idle": urgent_p99 / 50.0, "p99_over_idle_p99": urgent_p99 / 100.0,
+        "slowdown_p99": 3.0}
     return {"policy": policy, "fraction": fraction, "rate": 2.0, "summary": summary,
             "urgent": urgent}
 
@@ -254,7 +256,8 @@ def test_ratio_columns_take_fcfs_and_vllm_at_the_same_fraction():
     assert row[:2] == ["length-aware", "0.8"] and row[-2:] == ["2.00", "0.75"]
     row = run_row(runs[4], runs)  # at 0.5: FCFS's 1000 ms, no vLLM run there
     assert row[-2:] == ["2.00", "n/a"]
-    assert row[9:13] == ["80", "50", "1.60", "3.00"]  # urgent p99, idle, ratio, slowdown
+    # urgent p99, idle median, the ratios to the idle median and p99, slowdown
+    assert row[9:14] == ["80", "50", "1.60", "0.80", "3.00"]
     assert run_row(runs[0], runs)[-2:] == ["1.00", "1.50"]  # 300 / 200 ms
     assert run_row(runs[3], runs)[-1] == "n/a"  # vLLM against itself
     assert [(r["policy"], r["fraction"]) for r in ordered(runs, ["fcfs", "priority",

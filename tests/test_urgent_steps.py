@@ -1,4 +1,4 @@
-"""Urgent Steps on the worker (Engine.post_urgent): a new request's prefill that runs
+"""Urgent Steps (worker_service/urgent_steps.py): a new request's prefill that runs
 between two layers of the Step in progress, ahead of the Steps queued, with every
 output's bits unchanged."""
 
@@ -50,16 +50,16 @@ def _run(engine: Engine, nested: bool, steps: int = 6) -> dict[int, list[int]]:
 
         def posting_forward(batch, rows=None, between=None):
             if not posted:  # the first forward of the Step: post once its layers began
-                posted.append(engine.post_urgent(urgent, [[3]]))
+                posted.append(engine.urgent.post(urgent, [[3]]))
             return forward(batch, rows, between)
         engine.runner.forward = posting_forward
         take(engine.step([], [PrefillSpec(2, LONG, 0, DecodingParams())], [[1], [2]]))
         engine.runner.forward = forward
         assert posted[0].done(), "the urgent Step should have run inside the Step's forward"
-        assert engine.runner.layer_loop is None or engine._nested_seconds > 0
+        assert engine.runner.layer_loop is None or engine.urgent.nested_seconds > 0
         take(posted[0].result())
     else:
-        take(engine.urgent_step(urgent, [[3]]))
+        take(engine.urgent.step(urgent, [[3]]))
         take(engine.step([], [PrefillSpec(2, LONG, 0, DecodingParams())], [[1], [2]]))
     take(engine.step([], [], [[1, 2]]))  # planned before 3 was sent: 3 waits
     for i in range(steps):
@@ -123,12 +123,12 @@ def test_an_urgent_step_takes_only_new_greedy_or_sampled_sequences(tmp_path):
     engine = Engine(_runner(tmp_path, "float32"))
     engine.step([], [PrefillSpec(1, SHORT, 0, DecodingParams())], [[1]])
     with pytest.raises(StepError, match="already exists"):
-        engine.urgent_step([PrefillSpec(1, SHORT, 0, DecodingParams())], [[1]])
+        engine.urgent.step([PrefillSpec(1, SHORT, 0, DecodingParams())], [[1]])
     with pytest.raises(StepError, match="unknown"):
-        engine.urgent_step([PrefillSpec(4, SHORT, 0, DecodingParams())], [[4, 1]])
+        engine.urgent.step([PrefillSpec(4, SHORT, 0, DecodingParams())], [[4, 1]])
     from seqserve_common.decoding import DecodingStrategy
     with pytest.raises(StepError, match="greedy or sampled"):
-        engine.urgent_step([PrefillSpec(5, SHORT, 0, DecodingParams(
+        engine.urgent.step([PrefillSpec(5, SHORT, 0, DecodingParams(
             strategy=DecodingStrategy.CONTRASTIVE, top_k=4))], [[5]])
     # A Step that names neither keeps the earlier sequences exactly as before.
     assert len(engine.step([], [], [[1]]).tokens) == 1
@@ -368,3 +368,39 @@ def test_urgent_steps_keep_the_pipeline_as_deep_as_before():
         want = reference.greedy(model, tok.decode(s.prompt_ids, skip_special_tokens=True),
                                 len(s.output_ids))
         assert reference.same_until_eos(s.output_ids, want, tok.eos_token_id)
+
+
+def test_priority_names_the_waiting_requests_that_outrank_running_work():
+    """Planning alone: `priority` with urgent Steps names, most urgent first, the waiting
+    requests more urgent than some running sequence; urgent_admissions keeps the run of
+    greedy or sampled ones that fits."""
+    from dataclasses import replace
+
+    from scheduler_service.admission import Budget, FCFSAdmission, WaitingQueue, \
+        urgent_admissions
+    from scheduler_service.policies.priority import PriorityAdmission
+    from tests.test_policies import running, seq
+
+    waiting = WaitingQueue(16)
+    a, b, c = seq(1, priority=3), seq(2, priority=-5), seq(3, priority=-5)
+    for s in (a, b, c):
+        waiting.push(s)
+    work = running(seq(10, priority=3), seq(11, priority=0))
+    policy = PriorityAdmission(64, urgent_steps=True)
+    assert policy.urgent(waiting, work) == [b, c]  # a ties the least urgent running one
+    assert policy.urgent(waiting, work[1:]) == [b, c]
+    assert policy.urgent(waiting, running(seq(12, priority=-5))) == []
+    assert policy.urgent(waiting, []) == []
+    assert PriorityAdmission(64).urgent(waiting, work) == []  # urgent Steps off
+    assert FCFSAdmission().urgent(waiting, work) == []
+
+    room = Budget(free_slots=4, free_kv_tokens=1000, prefill_tokens=64, chunked=True)
+    assert urgent_admissions([b, c], room) == [b, c]
+    assert urgent_admissions([b, c], replace(room, free_slots=1)) == [b]
+    assert urgent_admissions([b, c], replace(room, free_kv_tokens=19)) == []
+    from seqserve_common.decoding import DecodingStrategy
+    beam = seq(4, priority=-5)
+    beam.params = replace(beam.params, strategy=DecodingStrategy.BEAM)
+    assert urgent_admissions([b, beam, c], room) == [b]  # the run stops at a beam search
+    c.swapped = True
+    assert urgent_admissions([c, b], room) == []

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +24,7 @@ from worker_service.packed_batch import DecodeSegment, PackedBatch
 from worker_service.prefix_cache import PrefixCache
 from worker_service.sequence import SequenceState
 from worker_service.step import Prefill, PrefillSpec, StepError, StepResult
+from worker_service.urgent_steps import UrgentSteps
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +52,7 @@ class StepForward:
 class Engine:
     """The worker's sequences and group caches."""
 
-    urgent_steps = True  # it takes urgent Steps (post_urgent)
+    urgent_steps = True  # it takes urgent Steps (urgent_steps.py)
 
     def __init__(self, runner: ModelRunner, prefix_cache: PrefixCache | None = None,
                  length_probe: LengthProbe | None = None, swap: SwapSpace | None = None,
@@ -69,14 +68,7 @@ class Engine:
         self.group_of: dict[int, KVGroup] = {}
         self.contrastive = ContrastiveSearch(runner)
         self.beams = BeamSearches(self)
-        # Urgent Steps (post_urgent): posted by any thread, run on the compute thread
-        # between two layers of the Step it runs, or before the next Step. Their
-        # sequences' groups stay out of `groups` until a Step's plan names them: Steps
-        # planned before an urgent one leave its sequences out.
-        self._urgent: deque[tuple[Future, list[PrefillSpec], list[list[int]]]] = deque()
-        self._side: dict[int, KVGroup] = {}  # sequence id -> its group, not yet planned
-        self._pause = runner.pause_flag()
-        self._nested_seconds = 0.0  # urgent Steps' time inside the current Step
+        self.urgent = UrgentSteps(self)
 
     # --- bookkeeping -----------------------------------------------------------------
 
@@ -90,12 +82,10 @@ class Engine:
 
     def drop_sequences(self) -> None:
         """Drop every sequence and its KV; cached prefixes stay (they belong to no one)."""
-        while self._urgent:
-            self._urgent.popleft()[0].cancel()
+        self.urgent.clear()
         self.sequences.clear()
         self.groups.clear()
         self.group_of.clear()
-        self._side.clear()
         self.beams.clear()
         if self.swap is not None:
             self.swap.clear()
@@ -130,8 +120,7 @@ class Engine:
 
     def _all_groups(self) -> list[KVGroup]:
         """The planned groups and those of urgent Steps that no plan has named yet."""
-        side = {id(g): g for g in self._side.values()}
-        return self.groups + list(side.values())
+        return self.groups + self.urgent.side_groups()
 
     def kv_usage(self) -> tuple[int, int]:
         """(padded slots a forward reads, real KV tokens) over all groups."""
@@ -154,7 +143,7 @@ class Engine:
             if self.swap is not None and self.swap.drop(seq_id):
                 continue  # it ended while swapped out
             self.sequences.pop(seq_id, None)
-            self._side.pop(seq_id, None)
+            self.urgent.forget(seq_id)
             group = self.group_of.pop(seq_id, None)
             if group is not None:
                 rows.append((group, group.row_of(seq_id)))
@@ -175,9 +164,9 @@ class Engine:
         swapped-out ones that run again, `prefetch` and `unprefetch`: swapped-out ones
         whose KV is copied back to the device ahead of their swap_in, or no longer
         (kv_swap.py)."""
-        self.run_urgent()  # posted before this Step began: they go first
+        self.urgent.run()  # posted before this Step began: they go first
         t0 = time.perf_counter()
-        self._nested_seconds = 0.0
+        self.urgent.nested_seconds = 0.0
         result = StepResult()
         probe = self.length_probe
         for f in (finished or ()) if probe is not None else ():
@@ -197,27 +186,26 @@ class Engine:
         new_ids = set(restored) | step_checks.new_sequences(prefill, self.sequences,
                                                             self.swap or ())
         chunks = chunks or {}
-        self._adopt(plan)
-        live = ({sid: s for sid, s in self.sequences.items() if sid not in self._side}
-                if self._side else self.sequences)
+        live = self.urgent.adopt(plan)
         step_checks.check_plan(plan, live, new_ids)
         step_checks.check_chunks(chunks, live)
-        self._create(prefill)
+        self.create(prefill)
         for sid, end in chunks.items():
             self.sequences[sid].chunk_end = end
         groups, old_counts, dropped_bytes = regroup.regroup(self, plan, new_ids, restored)
         result.regroup_seconds = time.perf_counter() - t0
-        self._run(groups, old_counts, result, between=self._between)
+        self.run(groups, old_counts, result, between=self.urgent.between)
         if probe is not None:
             probe.train(1)  # after the step's tokens: at most one small minibatch a step
         result.regroup_bytes = self._copied() + dropped_bytes
-        self._report(result, t0)
+        self.report(result, t0)
         # The worker's time for this Step, as the scheduler's pacing fits it, is its own.
-        result.forward_seconds -= self._nested_seconds
-        result.total_seconds -= self._nested_seconds
+        result.forward_seconds -= self.urgent.nested_seconds
+        result.total_seconds -= self.urgent.nested_seconds
         return result
 
-    def _create(self, prefill: list[PrefillSpec]) -> None:
+    def create(self, prefill: list[PrefillSpec]) -> None:
+        """The Step's new sequences (checked already)."""
         for ns in prefill:
             n = len(ns.token_ids)
             self.sequences[ns.seq_id] = SequenceState(
@@ -225,20 +213,7 @@ class Engine:
                 params=ns.params, pin_tokens=ns.pin_tokens, prompt_len=n,
                 chunk_end=ns.prefill_end or n)
 
-    def _adopt(self, plan: list[list[int]]) -> None:
-        """The groups of urgent Steps' sequences that `plan` names join the planned ones."""
-        if not self._side:
-            return
-        named = [sid for members in plan for sid in members if sid in self._side]
-        for sid in named:
-            group = self._side.get(sid)
-            if group is None:
-                continue  # its group came in with another of its sequences
-            for member in group.seq_ids:
-                self._side.pop(member, None)
-            self.groups.append(group)
-
-    def _report(self, result: StepResult, t0: float) -> None:
+    def report(self, result: StepResult, t0: float) -> None:
         """The engine's state after a Step, into its result."""
         result.kv_slots, result.kv_tokens = self.kv_usage()
         result.sequences = len(self.sequences)
@@ -255,75 +230,10 @@ class Engine:
             result.prefix_stats = (st.queries, st.hits, st.hit_tokens, st.evictions)
         result.total_seconds = time.perf_counter() - t0
 
-    # --- urgent Steps ----------------------------------------------------------------
-
-    def post_urgent(self, prefill: list[PrefillSpec], plan: list[list[int]]) -> Future:
-        """Queue an urgent Step (any thread): new sequences' prefills only, in groups of
-        their own. It runs on the compute thread at the next layer boundary of the Step
-        running there, else before the next Step; whoever posts it must also make the
-        compute thread call `run_urgent` in case none runs. The future holds its result."""
-        future: Future = Future()
-        self._urgent.append((future, prefill, plan))
-        if self._pause is not None:
-            self._pause.value = 1
-        return future
-
-    def run_urgent(self, between_layers: bool = False) -> None:
-        """Run the urgent Steps posted so far (compute thread), `between_layers` of a
-        Step's forward or not."""
-        if self._pause is not None:
-            self._pause.value = 0
-        while self._urgent:
-            future, prefill, plan = self._urgent.popleft()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = self.urgent_step(prefill, plan)
-                result.between_layers = between_layers
-                future.set_result(result)
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
-                future.set_exception(exc)
-
-    def _between(self) -> None:
-        """Between two layers of a Step's forward: its urgent Steps, timed apart."""
-        t = time.perf_counter()
-        self.run_urgent(between_layers=True)
-        self._nested_seconds += time.perf_counter() - t
-
-    def urgent_step(self, prefill: list[PrefillSpec], plan: list[list[int]]) -> StepResult:
-        """Prefill new greedy or sampled sequences in groups of their own and choose their
-        first tokens, touching nothing else: it may run inside another Step's forward."""
-        # Called inside a forward it leaves inference mode, as a Step runs: its groups'
-        # buffers are copied into by later Steps' regrouping.
-        with torch.inference_mode(False):
-            return self._urgent_step(prefill, plan)
-
-    def _urgent_step(self, prefill: list[PrefillSpec], plan: list[list[int]]) -> StepResult:
-        t0 = time.perf_counter()
-        result = StepResult()
-        new_ids = step_checks.new_sequences(prefill, self.sequences, self.swap or ())
-        step_checks.check_plan(plan, {}, new_ids)
-        step_checks.check_urgent(prefill)
-        self._create(prefill)
-        groups = []
-        for members in plan:
-            # From the heap, not the arena: making room there may move other groups'
-            # buffers, under the forward of the Step this one interrupts.
-            group = KVGroup(self.runner.kv_shape)
-            for sid in members:
-                group.add_empty_row(sid, regroup.reserve_length(self, sid))
-                self.group_of[sid] = group
-                self._side[sid] = group
-            groups.append(group)
-        result.regroup_seconds = time.perf_counter() - t0
-        self._run(groups, [0] * len(groups), result)
-        self._report(result, t0)
-        return result
-
     # --- forwards --------------------------------------------------------------------
 
-    def _run(self, groups: list[KVGroup], old_counts: list[int], result: StepResult,
-             between=None) -> None:
+    def run(self, groups: list[KVGroup], old_counts: list[int], result: StepResult,
+            between=None) -> None:
         """One packed forward over every row: rows whose KV holds their prompt decode (one
         token, or contrastive candidates), the others prefill their next chunk (the rows
         new in this step, rows [n_old, rows) of each group, start after a cached prefix).

@@ -370,8 +370,7 @@ class ModelRunner:
         return self._packed(batch, self.layer_loop, rows, between)
 
     def pause_flag(self) -> ctypes.c_int32 | None:
-        """The flag that makes a forward stop between two layers and call its `between`
-        (None: forwards never stop; the model runs transformers' own forward)."""
+        """The flag that stops a forward between two layers for its `between` (None: none)."""
         return None if self.layer_loop is None else self.layer_loop.pause
 
     def _packed(self, batch: PackedBatch, loop: layer_loop.LayerLoop | None = None,

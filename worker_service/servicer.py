@@ -169,7 +169,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """One Steps stream, whatever carries it (the gRPC call or the direct link): Steps
         in the order they arrive, each queued for the compute thread as soon as it is read,
         so the next one is waiting there when the current one ends; an urgent Step goes
-        ahead of those queued (Engine.post_urgent). Answers go in the order the Steps end.
+        ahead of those queued (urgent_steps.py). Answers go in the order the Steps end.
         Raises StepError when the stream must end (a Step failed, or a Reset came after
         the stream opened)."""
         engine = self.engine
@@ -245,9 +245,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             failed: Future = Future()
             failed.set_exception(StepError(reason))
             return failed
-        future = engine.post_urgent(prefill, plan)
+        future = engine.urgent.post(prefill, plan)
         # Where no Step runs to take it between layers or before it starts, this does.
-        self._compute.submit(engine.run_urgent)
+        self._compute.submit(engine.urgent.run)
         return future
 
     def _response(self, request, result: StepResult) -> worker_pb2.StepResponse:

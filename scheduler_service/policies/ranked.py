@@ -26,6 +26,7 @@ class RankedAdmission:
     on. Pure: it reads the sequences and the queue's clock and returns its choices."""
 
     watches_running = False  # it preempts only for a waiting request
+    urgent_steps = False  # only `priority` sends urgent Steps
 
     def __init__(self, rank: Rank, preemptive: bool = True):
         self.rank = rank
@@ -64,7 +65,7 @@ class RankedAdmission:
         return None
 
     def urgent(self, waiting: WaitingQueue, running: Iterable[Sequence]) -> list[Sequence]:
-        return []  # only `priority` sends urgent Steps
+        return []
 
     def preempt(self, waiting: WaitingQueue, running: list[Sequence],
                 budget: Budget) -> list[Sequence]:

@@ -1,0 +1,133 @@
+"""Urgent Steps on the worker: a new request's prefill that runs ahead of the Steps queued,
+between two layers of the forward in progress.
+
+The scheduler sends one for a request more urgent than running work (policy `priority`,
+docs/scheduling.md): new greedy or sampled sequences' prefills alone, in groups of their
+own. Any thread posts it; the compute thread runs it at the next layer boundary of the
+Step it runs (the C step layers and the layer loop stop where the runner's pause flag is
+set), else before the next Step begins. Its sequences' groups stay out of the engine's
+planned groups until a Step's plan names them: Steps planned before the urgent one leave
+its sequences out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Mapping
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import torch
+
+from worker_service import regroup, step_checks
+from worker_service.kv_groups import KVGroup
+from worker_service.sequence import SequenceState
+from worker_service.step import PrefillSpec, StepResult
+
+if TYPE_CHECKING:
+    from worker_service.engine import Engine
+
+
+class UrgentSteps:
+    """One engine's urgent Steps: those posted and not run, and the groups of those run
+    that no plan has named yet."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._posted: deque[tuple[Future, list[PrefillSpec], list[list[int]]]] = deque()
+        self._side: dict[int, KVGroup] = {}  # sequence id -> its group, not yet planned
+        self._pause = engine.runner.pause_flag()
+        self.nested_seconds = 0.0  # their time inside the current Step (Engine.step)
+
+    def post(self, prefill: list[PrefillSpec], plan: list[list[int]]) -> Future:
+        """Queue an urgent Step (any thread). Whoever posts it must also make the compute
+        thread call `run`, in case no Step runs to take it. The future holds its result."""
+        future: Future = Future()
+        self._posted.append((future, prefill, plan))
+        if self._pause is not None:
+            self._pause.value = 1
+        return future
+
+    def run(self, between_layers: bool = False) -> None:
+        """Run the urgent Steps posted so far (compute thread), `between_layers` of a
+        Step's forward or not."""
+        if self._pause is not None:
+            self._pause.value = 0
+        while self._posted:
+            future, prefill, plan = self._posted.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = self.step(prefill, plan)
+                result.between_layers = between_layers
+                future.set_result(result)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                future.set_exception(exc)
+
+    def between(self) -> None:
+        """Between two layers of a Step's forward: the urgent Steps, timed apart."""
+        t = time.perf_counter()
+        self.run(between_layers=True)
+        self.nested_seconds += time.perf_counter() - t
+
+    def step(self, prefill: list[PrefillSpec], plan: list[list[int]]) -> StepResult:
+        """Prefill new greedy or sampled sequences in groups of their own and choose their
+        first tokens, touching nothing else: it may run inside another Step's forward.
+        Called inside a forward it leaves inference mode, as a Step runs: its groups'
+        buffers are copied into by later Steps' regrouping."""
+        with torch.inference_mode(False):
+            return self._step(prefill, plan)
+
+    def _step(self, prefill: list[PrefillSpec], plan: list[list[int]]) -> StepResult:
+        engine = self.engine
+        t0 = time.perf_counter()
+        result = StepResult()
+        new_ids = step_checks.new_sequences(prefill, engine.sequences, engine.swap or ())
+        step_checks.check_plan(plan, {}, new_ids)
+        step_checks.check_urgent(prefill)
+        engine.create(prefill)
+        groups = []
+        for members in plan:
+            # From the heap, not the arena: making room there may move other groups'
+            # buffers, under the forward of the Step this one interrupts.
+            group = KVGroup(engine.runner.kv_shape)
+            for sid in members:
+                group.add_empty_row(sid, regroup.reserve_length(engine, sid))
+                engine.group_of[sid] = group
+                self._side[sid] = group
+            groups.append(group)
+        result.regroup_seconds = time.perf_counter() - t0
+        engine.run(groups, [0] * len(groups), result)
+        engine.report(result, t0)
+        return result
+
+    def adopt(self, plan: list[list[int]]) -> Mapping[int, SequenceState]:
+        """The groups of urgent Steps' sequences that `plan` names join the planned ones;
+        returns the sequences the plan must place (the others wait for a later plan)."""
+        engine = self.engine
+        if not self._side:
+            return engine.sequences
+        for sid in [sid for members in plan for sid in members if sid in self._side]:
+            group = self._side.get(sid)
+            if group is None:
+                continue  # its group came in with another of its sequences
+            for member in group.seq_ids:
+                self._side.pop(member, None)
+            engine.groups.append(group)
+        if not self._side:
+            return engine.sequences
+        return {sid: s for sid, s in engine.sequences.items() if sid not in self._side}
+
+    def side_groups(self) -> list[KVGroup]:
+        return list({id(g): g for g in self._side.values()}.values())
+
+    def forget(self, seq_id: int) -> None:
+        """A released sequence."""
+        self._side.pop(seq_id, None)
+
+    def clear(self) -> None:
+        """Every sequence is dropped: so are the urgent Steps not run yet."""
+        while self._posted:
+            self._posted.popleft()[0].cancel()
+        self._side.clear()
