@@ -74,10 +74,12 @@ def chat_prompt(tok) -> str:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, reference_loading):
     """The GGUF file in float32. The worker converts it into a fresh cache directory on
-    start and serves the copy; the scheduler (no cache) reads the tokenizer from the file."""
+    start and serves the copy; the scheduler (no cache) reads the tokenizer from the file.
+    Policy `priority`: requests of one priority are served as under FCFS, and the urgent
+    Steps test sends others."""
     cache = tmp_path_factory.mktemp("gguf-cache")
     d = Deployment(GGUF, tmp_path_factory.mktemp("real-model"),
-                   {**SMALL_STEPS, "gguf_cache_dir": ""},
+                   {**SMALL_STEPS, "gguf_cache_dir": "", "scheduling_policy": "priority"},
                    {**SMALL_STEPS, "dtype": "fp32", "gguf_cache_dir": str(cache)},
                    start_timeout=600)
     d.start()
@@ -100,6 +102,47 @@ def test_greedy_replies_equal_generate_on_the_gguf_file(served, reference):
             assert reply.token_ids == expected, prompt
             assert reply.text == reference[0].decode(
                 [t for t in expected if t != 2]), prompt
+
+
+def test_urgent_requests_into_running_work_equal_generate(served, reference):
+    """Urgent requests sent while less urgent ones decode go in urgent Steps, which the
+    worker runs between two layers of the Step in progress; every reply equals generate."""
+    import asyncio
+
+    from bench.metrics import scrape
+    from client import AsyncClient
+
+    d, _ = served
+    low = [p * 4 for p in PROMPTS[:2]]
+    urgent = list(PROMPTS[2:4])
+    before = scrape(d.metrics_url)["seqserve_urgent_steps_total"]
+
+    async def scenario():
+        async with AsyncClient(d.address, timeout=600) as c:
+            started = asyncio.Event()
+
+            async def background(prompt):
+                ids = []
+                async for chunk in c.stream(prompt, max_new_tokens=40, priority=5):
+                    if chunk.token_id is not None:
+                        ids.append(chunk.token_id)
+                        if len(ids) >= 3:
+                            started.set()
+                return ids
+
+            async def first(prompt, delay):
+                await started.wait()
+                await asyncio.sleep(delay)
+                return (await c.generate(prompt, max_new_tokens=12, priority=-5)).token_ids
+            return await asyncio.gather(*map(background, low),
+                                        *(first(p, 0.05 * i) for i, p in enumerate(urgent)))
+
+    replies = asyncio.run(scenario())
+    assert scrape(d.metrics_url)["seqserve_urgent_steps_total"] > before
+    eos = reference[0].eos_token_id
+    for prompt, got, n in zip(low + urgent, replies, (40, 40, 12, 12)):
+        want = generate_greedy(reference, prompt, n)
+        assert got == want[:len(got)] and (len(got) == n or got[-1] == eos), prompt
 
 
 def test_chat_reply_names_paris(served, reference):
