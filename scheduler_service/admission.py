@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Protocol
+from typing import Any, Callable, Container, Iterable, Iterator, Protocol
 
 from scheduler_service.chunking import ChunkLimit, chunk_end
 from scheduler_service.sequence import Sequence, Status
@@ -181,13 +181,18 @@ class FCFSAdmission:
         return []  # arrival order: none goes ahead of work already running
 
 
-def urgent_admissions(candidates: Iterable[Sequence], budget: Budget) -> list[Sequence]:
+def urgent_admissions(candidates: Iterable[Sequence], budget: Budget,
+                      releasing: Container[int] = ()) -> list[Sequence]:
     """Of the policy's urgent requests (`AdmissionPolicy.urgent`, in its order), those an
     urgent Step takes: the run of greedy and sampled ones (the worker's rule; a swapped-out
     one comes back through swap_in, in a Step of its own) that fits `budget` without
-    preempting anyone."""
+    preempting anyone. A preempted one whose release is `releasing` (in a Step not yet
+    answered, or not yet sent) is left to a regular Step: an urgent one would run before
+    that release and find it still on the worker."""
     usable = []
     for s in candidates:
+        if s.seq_id in releasing:
+            continue
         if s.swapped or s.params.strategy not in (DecodingStrategy.GREEDY,
                                                   DecodingStrategy.SAMPLE):
             break

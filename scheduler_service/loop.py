@@ -197,8 +197,9 @@ class IterationLoop:
         reserved = sum(s.reserved_tokens for s in self.running.values())
         budget = Budget(self.max_batch - len(self.running), self.kv_budget - reserved,
                         self.max_num_batched_tokens, self.chunked)
+        releasing = set(self.to_release).union(*(f.plan.release for f in self.steps.inflight))
         admitted = urgent_admissions(
-            self.policy.urgent(self.waiting, self.running.values()), budget)
+            self.policy.urgent(self.waiting, self.running.values()), budget, releasing)
         if not admitted:
             return  # no room: the next Step preempts for it, as before
         now = time.monotonic()
@@ -315,15 +316,15 @@ class IterationLoop:
     async def _send(self, plan: StepPlan, background: bool = False) -> None:
         t0 = time.perf_counter()
         self.step_id += 1
-        self.waiting.tick()
+        if not plan.urgent:  # aging counts the regular Steps
+            self.waiting.tick()
         for sid in plan.token_ids():
             self.running[sid].in_flight += 1
         await self.steps.send(self.step_id, plan, t0, background)
 
     async def _receive(self) -> None:
         """Wait for the next answer and hand out its tokens."""
-        step, answer = await self.steps.answer(self._on_urgent())
-        t2 = self.steps.answered_at
+        step, answer, t2 = await self.steps.answer(self._on_urgent())
         for tok in answer.tokens:
             self._on_token(tok, answer.step_id)
         t3 = time.perf_counter()

@@ -33,9 +33,11 @@ async def recover(loop: IterationLoop, exc: StepFailed) -> None:
                    failed.step_id if failed else loop.step_id, exc.code, exc.details,
                    len(loop.running))
     # Only the failed Step's sequences are suspects: those first sent in a later Step
-    # never ran.
+    # never ran. An urgent Step runs ahead of the oldest: its sequences are suspects too.
     suspects = ({sid for members in failed.plan.groups for sid in members}
                 | set(failed.plan.swap_out) if failed else set(loop.running))
+    suspects |= {sid for f in loop.steps.inflight if f.plan.urgent
+                 for members in f.plan.groups for sid in members}
     loop._recovering = True
     loop._set_worker_up(False)
     loop.steps.close()  # the Steps sent after the failed one are void

@@ -66,12 +66,12 @@ class StepPipeline:
         if delay > 0:
             await self._wait(delay, on_urgent)
 
-    async def answer(self, on_urgent: OnUrgent) -> tuple[SentStep, StepAnswer]:
-        """The next answer (the oldest Step's, or an urgent one's that went ahead of it)
-        and its Step, out of the pipeline."""
+    async def answer(self, on_urgent: OnUrgent) -> tuple[SentStep, StepAnswer, float]:
+        """The next answer (the oldest Step's, or an urgent one's that went ahead of it),
+        its Step, out of the pipeline, and when it came (perf_counter)."""
         await self._wait(None, on_urgent)
         answer, self._answer = self._answer.result(), None
-        self.answered_at = time.perf_counter()
+        now = time.perf_counter()
         at = next((i for i, f in enumerate(self.inflight) if f.step_id == answer.step_id),
                   None)
         if at is None or (at and not self.inflight[at].plan.urgent):
@@ -79,7 +79,9 @@ class StepPipeline:
                                          f"step {self.inflight[0].step_id} was due")
         step = self.inflight[at]
         del self.inflight[at]
-        return step, answer
+        if not at:  # the oldest Step's end: where the worker began the next (hold)
+            self.answered_at = now
+        return step, answer, now
 
     async def _wait(self, timeout: float | None, on_urgent: OnUrgent) -> None:
         """Until the next answer is in `_answer` (or `timeout` seconds pass)."""

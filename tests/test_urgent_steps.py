@@ -402,5 +402,56 @@ def test_priority_names_the_waiting_requests_that_outrank_running_work():
     beam = seq(4, priority=-5)
     beam.params = replace(beam.params, strategy=DecodingStrategy.BEAM)
     assert urgent_admissions([b, beam, c], room) == [b]  # the run stops at a beam search
+    assert urgent_admissions([b, c], room, releasing={2}) == [c]  # b's release is pending
     c.swapped = True
     assert urgent_admissions([c, b], room) == []
+
+
+def test_an_urgent_sequence_swapped_out_before_any_plan_named_it_comes_back():
+    """Swapped out by the first Step after its urgent one (which no plan had named it
+    in), the sequence is swapped in and decodes on, Step after Step, as one never
+    swapped."""
+    from worker_service.kv_swap import swap_space
+
+    def run(swap: bool) -> list[int]:
+        runner = ModelRunner(str(tiny_model("llama")))
+        engine = Engine(runner, swap=swap_space(16 << 20, runner.device))
+        engine.step([], [PrefillSpec(1, SHORT, 0, DecodingParams())], [[1]])
+        got = [t.token_id for t in engine.urgent.step(
+            [PrefillSpec(3, URGENT, 0, DecodingParams())], [[3]]).tokens]
+        if swap:
+            engine.step([], [], [[1]], swap_out=[3])
+            engine.step([], [], [[1, 3]], swap_in=[3])
+        else:
+            engine.step([], [], [[1], [3]])
+        for _ in range(3):
+            got += [t.token_id for t in engine.step([], [], [[1, 3]]).tokens
+                    if t.seq_id == 3]
+        engine.release(3)
+        assert not engine.urgent.side_groups()
+        return got
+
+    assert run(swap=True) == run(swap=False)
+
+
+def test_a_step_that_cannot_be_queued_fails_the_stream_instead_of_hanging(tmp_path):
+    """A Step the servicer cannot even convert (an unknown decoding strategy) ends the
+    stream with StepError; the reply loop does not wait for it forever."""
+    import threading
+
+    servicer, _, release = _stepping_servicer(tmp_path)
+    release.set()
+    bad = _step_request(1, 1, SHORT)
+    bad.prefill[0].params.strategy = 99
+    outcome = []
+
+    def serve():
+        try:
+            list(servicer.run_steps(iter([bad])))
+        except StepError as exc:
+            outcome.append(str(exc))
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive(), "the Steps stream hung"
+    assert outcome and "could not be queued" in outcome[0]

@@ -140,10 +140,10 @@ class Engine:
         move than one by one)."""
         rows = []
         for seq_id in seq_ids:
+            self.urgent.forget(seq_id)
             if self.swap is not None and self.swap.drop(seq_id):
                 continue  # it ended while swapped out
             self.sequences.pop(seq_id, None)
-            self.urgent.forget(seq_id)
             group = self.group_of.pop(seq_id, None)
             if group is not None:
                 rows.append((group, group.row_of(seq_id)))
@@ -176,6 +176,7 @@ class Engine:
         self.release(*self.beams.expand_release(release))
         plan = self.beams.expand_plan(plan)  # a beam request's rows beside it
         for sid in swap_out or ():
+            self.urgent.forget(sid)
             kv_swap.swap_out(self, sid)
         restored = {}
         for sid in swap_in or ():

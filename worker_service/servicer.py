@@ -200,7 +200,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         self._renew()
                         self._steps_pending += 1
                         settle(1)
-                        future = self._submit(engine, request)
+                        try:
+                            future = self._submit(engine, request)
+                        except Exception as exc:  # noqa: BLE001 - this Step fails alone
+                            future = Future()
+                            future.set_exception(StepError(f"the Step could not be queued: "
+                                                           f"{exc}"))
                     # Outside the lock: a Step refused at once is done already, and its
                     # callbacks, which take the lock, run right here.
                     future.add_done_callback(self._step_done)

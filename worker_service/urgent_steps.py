@@ -114,6 +114,8 @@ class UrgentSteps:
                 continue  # its group came in with another of its sequences
             for member in group.seq_ids:
                 self._side.pop(member, None)
+            # Out of any forward now: its next reallocation may come from the arena.
+            group.arena = engine.arena
             engine.groups.append(group)
         if not self._side:
             return engine.sequences
@@ -123,7 +125,7 @@ class UrgentSteps:
         return list({id(g): g for g in self._side.values()}.values())
 
     def forget(self, seq_id: int) -> None:
-        """A released sequence."""
+        """A sequence released or swapped out: its row leaves the group."""
         self._side.pop(seq_id, None)
 
     def clear(self) -> None:
