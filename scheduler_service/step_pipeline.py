@@ -79,8 +79,12 @@ class StepPipeline:
                                          f"step {self.inflight[0].step_id} was due")
         step = self.inflight[at]
         del self.inflight[at]
-        if not at:  # the oldest Step's end: where the worker began the next (hold)
-            self.answered_at = now
+        # Where `hold` counts the oldest Step in flight from. After an urgent answer that
+        # Step (which the urgent one interrupted) still has its own rest to run, so this
+        # errs late, which costs at most the planning's time: the wait also ends on its
+        # answer. Counting from its earlier start instead would err early, by the urgent
+        # Step's time, and queue the next Step sooner, ahead of more arrivals.
+        self.answered_at = now
         return step, answer, now
 
     async def _wait(self, timeout: float | None, on_urgent: OnUrgent) -> None:
