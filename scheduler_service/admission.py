@@ -9,7 +9,6 @@ from typing import Any, Callable, Container, Iterable, Iterator, Protocol
 
 from scheduler_service.chunking import ChunkLimit, chunk_end
 from scheduler_service.sequence import Sequence, Status
-from seqserve_common.decoding import DecodingStrategy
 
 
 class QueueFull(Exception):
@@ -193,8 +192,7 @@ def urgent_admissions(candidates: Iterable[Sequence], budget: Budget,
     for s in candidates:
         if s.seq_id in releasing:
             continue
-        if s.swapped or s.params.strategy not in (DecodingStrategy.GREEDY,
-                                                  DecodingStrategy.SAMPLE):
+        if s.swapped or not s.params.strategy.interruptible:
             break
         usable.append(s)
     return fitting_prefix(usable, budget)

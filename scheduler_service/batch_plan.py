@@ -70,42 +70,50 @@ class BatchPlanner:
         `chunks`: the step's prompt chunks (chunking.StepBudget, which recorded them on the
         sequences); those of sequences not in the batch (preempted) are left out."""
         batch = running + admitted
-        chunks = {s.seq_id: chunks[s.seq_id] for s in batch if s.seq_id in (chunks or {})}
-        no_token = frozenset(s.seq_id for s in batch if s.prefilling)
-        partial = sum(1 for sid in chunks if sid in no_token)
         members = frozenset(s.seq_id for s in batch)
-        # A beam search is one row per beam on the worker, all of its length: the
-        # partition sees each row, and keeps them together (equal lengths are never split).
-        rows = [s for s in batch for _ in range(s.rows)]
-        lengths = [s.length for s in rows]
         if members == self._members and not admitted:
             # Same members, all one token longer (or, prefilling, counted whole already):
             # padding and optimality are unchanged.
             part = self._partition
+            real = sum(s.length * s.rows for s in batch)
             shifted = Partition(groups=part.groups, padding=part.padding,
-                                sparsity=_sparsity(part.padding, sum(lengths)))
-            return StepPlan(release, [], self._groups, shifted, False, chunks, no_token,
-                            partial)
-        part = plan_partition(lengths, self.max_sparsity, self.max_splits)
-        groups = [list(dict.fromkeys(rows[i].seq_id for i in g)) for g in part.groups]
+                                sparsity=_sparsity(part.padding, real))
+            return _step_plan(batch, [], release, chunks, self._groups, shifted, False)
+        groups, part = self._partitioned(batch)
         self._members, self._groups, self._partition = members, groups, part
-        return StepPlan(release, admitted, groups, part, True, chunks, no_token, partial)
+        return _step_plan(batch, admitted, release, chunks, groups, part, True)
 
     def urgent(self, admitted: list[Sequence], chunks: dict[int, Chunk]) -> StepPlan:
         """The plan of an urgent Step: `admitted` alone, partitioned among themselves.
         The running batch's cached partition is kept: the next plan, which `admitted`
         join, recomputes it."""
-        lengths = [s.length for s in admitted]
-        part = plan_partition(lengths, self.max_sparsity, self.max_splits)
-        groups = [[admitted[i].seq_id for i in g] for g in part.groups]
-        no_token = frozenset(s.seq_id for s in admitted if s.prefilling)
-        chunks = {s.seq_id: chunks[s.seq_id] for s in admitted if s.seq_id in chunks}
-        return StepPlan([], admitted, groups, part, True, chunks, no_token,
-                        sum(1 for sid in chunks if sid in no_token), urgent=True)
+        groups, part = self._partitioned(admitted)
+        plan = _step_plan(admitted, admitted, [], chunks, groups, part, True)
+        plan.urgent = True
+        return plan
+
+    def _partitioned(self, batch: list[Sequence]) -> tuple[list[list[int]], Partition]:
+        """`batch`'s groups (sequence ids) by max-sparsity thresholding, and the partition.
+        A beam search is one row per beam on the worker, all of its length: the partition
+        sees each row, and keeps them together (equal lengths are never split)."""
+        rows = [s for s in batch for _ in range(s.rows)]
+        part = plan_partition([s.length for s in rows], self.max_sparsity, self.max_splits)
+        return [list(dict.fromkeys(rows[i].seq_id for i in g)) for g in part.groups], part
 
     def forget(self) -> None:
         """Drop the cached plan (after a worker restart every sequence is new again)."""
         self._members = frozenset()
+
+
+def _step_plan(batch: list[Sequence], admitted: list[Sequence], release: list[int],
+               chunks: dict[int, Chunk] | None, groups: list[list[int]], part: Partition,
+               regrouped: bool) -> StepPlan:
+    """The StepPlan of `batch` in `groups`; chunks of sequences not in it (preempted) are
+    left out."""
+    chunks = {s.seq_id: chunks[s.seq_id] for s in batch if s.seq_id in (chunks or {})}
+    no_token = frozenset(s.seq_id for s in batch if s.prefilling)
+    partial = sum(1 for sid in chunks if sid in no_token)
+    return StepPlan(release, admitted, groups, part, regrouped, chunks, no_token, partial)
 
 
 def _sparsity(padding: int, real: int) -> float:

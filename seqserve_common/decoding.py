@@ -15,6 +15,13 @@ class DecodingStrategy(str, Enum):
     CONTRASTIVE = "contrastive"
     BEAM = "beam"
 
+    @property
+    def interruptible(self) -> bool:
+        """Whether an urgent Step may prefill it: greedy and sampled sequences keep no
+        state across the rows of a Step that the urgent one may interrupt (contrastive and
+        beam search do)."""
+        return self in (DecodingStrategy.GREEDY, DecodingStrategy.SAMPLE)
+
     def to_proto(self) -> int:
         return _TO_PROTO[self]
 

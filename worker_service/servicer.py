@@ -68,6 +68,13 @@ def token_to_proto(t: GeneratedToken) -> worker_pb2.SequenceToken:
     return msg
 
 
+def _failed(reason: str) -> Future:
+    """A Step refused before it is queued: its future holds the StepError."""
+    failed: Future = Future()
+    failed.set_exception(StepError(reason))
+    return failed
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Serializes Steps: the engine runs one iteration at a time."""
 
@@ -203,9 +210,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         try:
                             future = self._submit(engine, request)
                         except Exception as exc:  # noqa: BLE001 - this Step fails alone
-                            future = Future()
-                            future.set_exception(StepError(f"the Step could not be queued: "
-                                                           f"{exc}"))
+                            future = _failed(f"the Step could not be queued: {exc}")
                     # Outside the lock: a Step refused at once is done already, and its
                     # callbacks, which take the lock, run right here.
                     future.add_done_callback(self._step_done)
@@ -231,9 +236,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return self._submit_urgent(engine, request, prefill, plan)
         chunks = {c.sequence_id: c.end for c in request.chunks}
         if len(chunks) != len(request.chunks):
-            failed: Future = Future()
-            failed.set_exception(StepError("a sequence has two prefill chunks in one Step"))
-            return failed
+            return _failed("a sequence has two prefill chunks in one Step")
         finished = [(f.sequence_id, f.generated_tokens, f.exact) for f in request.finished]
         return self._compute.submit(engine.step, list(request.release), prefill, plan, chunks,
                                     finished, list(request.swap_out), list(request.swap_in),
@@ -247,9 +250,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                   if not engine.urgent_steps else
                   "an urgent Step holds new sequences' prefills only" if others else None)
         if reason is not None:
-            failed: Future = Future()
-            failed.set_exception(StepError(reason))
-            return failed
+            return _failed(reason)
         future = engine.urgent.post(prefill, plan)
         # Where no Step runs to take it between layers or before it starts, this does.
         self._compute.submit(engine.urgent.run)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from seqserve_common.decoding import DecodingStrategy
 from worker_service.sequence import SequenceState
 from worker_service.step import PrefillSpec, StepError
 
@@ -62,10 +61,10 @@ def check_chunks(chunks: dict[int, int], live: Mapping[int, SequenceState]) -> N
 
 
 def check_urgent(prefill: list[PrefillSpec]) -> None:
-    """An urgent Step prefills greedy or sampled sequences only: contrastive and beam
-    search keep state across the rows of a Step that an interrupted one may share."""
+    """An urgent Step prefills greedy or sampled sequences only
+    (DecodingStrategy.interruptible)."""
     for ns in prefill:
-        if ns.params.strategy not in (DecodingStrategy.GREEDY, DecodingStrategy.SAMPLE):
+        if not ns.params.strategy.interruptible:
             raise StepError(f"sequence {ns.seq_id}: an urgent Step takes only greedy or "
                             "sampled sequences; send contrastive and beam ones in a "
                             "regular Step")
