@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 from bench.metrics import scrape
 from client import AsyncClient, Client
 from tests import reference
+from tests.background import Background
 
 STEPS = "seqserve_batch_size_count"  # Steps answered (one observation per Step)
 
@@ -51,21 +52,10 @@ def test_urgent_request_preempts_a_full_batch(llama_dir, deploy, policy, mode):
 
     async def scenario():
         async with AsyncClient(d.address) as c:
-            started = asyncio.Event()
-            counts = [0, 0]
-
-            async def low(i, prompt, **params):
-                ids = []
-                async for chunk in c.stream(prompt, **params):
-                    if chunk.token_id is not None:
-                        ids.append(chunk.token_id)
-                        counts[i] += 1
-                        if min(counts) >= 5:
-                            started.set()
-                return ids
+            background = Background(c, 2)
 
             async def urgent():
-                await started.wait()
+                await background.started.wait()
                 before = await asyncio.to_thread(_steps, d)
                 ids, first_at = [], None
                 async for chunk in c.stream(urgent_prompt, max_new_tokens=6, priority=-5):
@@ -76,8 +66,9 @@ def test_urgent_request_preempts_a_full_batch(llama_dir, deploy, policy, mode):
                 return ids, first_at - before
 
             return await asyncio.gather(
-                low(0, greedy_prompt, max_new_tokens=60, ignore_eos=True, priority=5),
-                low(1, sample_prompt, **sample_params), urgent())
+                background.stream(0, greedy_prompt, max_new_tokens=60, ignore_eos=True,
+                                  priority=5),
+                background.stream(1, sample_prompt, **sample_params), urgent())
 
     greedy_ids, sampled_ids, (urgent_ids, steps) = asyncio.run(scenario())
     # Under FCFS it would wait for a low one to end (over 50 Steps). The scheduler plans it

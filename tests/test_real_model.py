@@ -111,6 +111,7 @@ def test_urgent_requests_into_running_work_equal_generate(served, reference):
 
     from bench.metrics import scrape
     from client import AsyncClient
+    from tests.background import Background
 
     d, _ = served
     low = [p * 4 for p in PROMPTS[:2]]
@@ -119,22 +120,14 @@ def test_urgent_requests_into_running_work_equal_generate(served, reference):
 
     async def scenario():
         async with AsyncClient(d.address, timeout=600) as c:
-            started = asyncio.Event()
-
-            async def background(prompt):
-                ids = []
-                async for chunk in c.stream(prompt, max_new_tokens=40, priority=5):
-                    if chunk.token_id is not None:
-                        ids.append(chunk.token_id)
-                        if len(ids) >= 3:
-                            started.set()
-                return ids
+            background = Background(c, len(low), tokens=3)
 
             async def first(prompt, delay):
-                await started.wait()
+                await background.started.wait()
                 await asyncio.sleep(delay)
                 return (await c.generate(prompt, max_new_tokens=12, priority=-5)).token_ids
-            return await asyncio.gather(*map(background, low),
+            return await asyncio.gather(*(background.stream(i, p, max_new_tokens=40, priority=5)
+                                          for i, p in enumerate(low)),
                                         *(first(p, 0.05 * i) for i, p in enumerate(urgent)))
 
     replies = asyncio.run(scenario())
