@@ -141,10 +141,12 @@ class AdmissionPolicy(Protocol):
         Step in flight pays capped chunks."""
         ...
 
-    def urgent(self, waiting: WaitingQueue, running: Iterable[Sequence]) -> list[Sequence]:
+    def urgent(self, waiting: WaitingQueue, running: Iterable[Sequence],
+               in_flight: Iterable[Sequence] = ()) -> list[Sequence]:
         """Waiting requests, most urgent first, that should not wait for the next Step
         behind `running` work: the loop prefills those that fit in an urgent Step, which
-        the worker runs ahead of the Steps in flight. Does not change `waiting`."""
+        the worker runs ahead of the Steps in flight. `in_flight`: the requests of urgent
+        Steps sent and not yet answered. Does not change `waiting`."""
         ...
 
 
@@ -176,7 +178,8 @@ class FCFSAdmission:
                     background_in_flight: bool) -> ChunkLimit | None:
         return None
 
-    def urgent(self, waiting: WaitingQueue, running: Iterable[Sequence]) -> list[Sequence]:
+    def urgent(self, waiting: WaitingQueue, running: Iterable[Sequence],
+               in_flight: Iterable[Sequence] = ()) -> list[Sequence]:
         return []  # arrival order: none goes ahead of work already running
 
 

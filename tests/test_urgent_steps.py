@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests import reference
+from tests.background import Background
 from tests.conftest import tiny_model
 from worker_service.engine import Engine, StepError
 from worker_service.model_runner import ModelRunner
@@ -86,6 +87,44 @@ def test_an_urgent_step_between_layers_leaves_every_output_unchanged(tmp_path, d
             assert reference.same_until_eos(nested[sid], want, model.config.eos_token_id), sid
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_shorter_urgent_step_runs_inside_a_longer_one(tmp_path, dtype):
+    """Posted while a longer urgent Step's forward runs, a shorter urgent Step runs between
+    its layers and ends first; one as long waits for it. Every token is the one each
+    Step gives alone."""
+    longer = [PrefillSpec(1, LONG, 0, DecodingParams())]
+    shorter = [PrefillSpec(2, SHORT, 0, DecodingParams())]
+    same = [PrefillSpec(3, LONG[::-1], 0, DecodingParams())]
+
+    def tokens(result):
+        return [(t.seq_id, t.token_id) for t in result.tokens]
+
+    alone = Engine(_runner(tmp_path, dtype))
+    want = {sid: tokens(alone.urgent.step(spec, [[sid]]))
+            for sid, spec in ((1, longer), (2, shorter), (3, same))}
+
+    engine = Engine(_runner(tmp_path, dtype))
+    if engine.runner.layer_loop is None:
+        pytest.skip("this model's forward does not stop between layers")
+    forward, later, ended = engine.runner.forward, [], []
+
+    def posting_forward(batch, rows=None, between=None):
+        if not later:  # the longer Step's forward: the others come while it runs
+            later.extend((engine.urgent.post(shorter, [[2]]), engine.urgent.post(same, [[3]])))
+            for sid, future in zip((2, 3), later):
+                future.add_done_callback(lambda _, sid=sid: ended.append(sid))
+        return forward(batch, rows, between)
+    engine.runner.forward = posting_forward
+    first = engine.urgent.post(longer, [[1]])
+    first.add_done_callback(lambda _: ended.append(1))
+    engine.urgent.run()
+    assert ended == [2, 1, 3]
+    assert later[0].result().between_layers and not later[1].result().between_layers
+    got = {1: tokens(first.result()), 2: tokens(later[0].result()),
+           3: tokens(later[1].result())}
+    assert got == want
+
+
 def test_the_c_layers_stop_where_asked_and_go_on_with_the_same_bits(tmp_path):
     """The pause flag stops the C call at a layer boundary; `between` runs there (twice in
     three layers)."""
@@ -156,22 +195,14 @@ def test_an_urgent_request_goes_ahead_of_the_steps_in_flight(llama_dir, deploy, 
 
     async def scenario():
         async with AsyncClient(d.address) as c:
-            started = asyncio.Event()
-            counts = [0, 0]
+            background = Background(c, 2)
 
-            async def low(i):
-                ids = []
-                async for chunk in c.stream(lows[i], max_new_tokens=80, ignore_eos=True,
-                                            priority=5):
-                    if chunk.token_id is not None:
-                        ids.append(chunk.token_id)
-                        counts[i] += 1
-                        if min(counts) >= 5:
-                            started.set()
-                return ids
+            def low(i):
+                return background.stream(i, lows[i], max_new_tokens=80, ignore_eos=True,
+                                         priority=5)
 
             async def urgent(prompt, delay):
-                await started.wait()
+                await background.started.wait()
                 await asyncio.sleep(delay)
                 reply = await c.generate(prompt, max_new_tokens=6, priority=-5)
                 return reply.token_ids
@@ -393,6 +424,14 @@ def test_priority_names_the_waiting_requests_that_outrank_running_work():
     assert policy.urgent(waiting, []) == []
     assert PriorityAdmission(64).urgent(waiting, work) == []  # urgent Steps off
     assert FCFSAdmission().urgent(waiting, work) == []
+    # Urgent Steps in flight: a shorter one sent later runs inside them on the worker, so
+    # only requests at least as urgent as all of theirs go now.
+    d = seq(5, priority=-8)
+    waiting.push(d)
+    assert policy.urgent(waiting, work, [seq(20, priority=-5)]) == [d, b, c]
+    assert policy.urgent(waiting, work, [seq(20, priority=-8)]) == [d]
+    assert policy.urgent(waiting, work, [seq(20, priority=-5), seq(21, priority=-9)]) == []
+    waiting.remove(d)
 
     room = Budget(free_slots=4, free_kv_tokens=1000, prefill_tokens=64, chunked=True)
     assert urgent_admissions([b, c], room) == [b, c]

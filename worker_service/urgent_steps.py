@@ -8,6 +8,13 @@ Step it runs (the C step layers and the layer loop stop where the runner's pause
 set), else before the next Step begins. Its sequences' groups stay out of the engine's
 planned groups until a Step's plan names them: Steps planned before the urgent one leave
 its sequences out.
+
+Urgent Steps run in the order they come, but one with fewer prompt tokens than the urgent
+Step in progress runs between that one's layers (shortest first, with preemption): of two
+urgent prompts that meet, the longer then waits for less than its own time, so neither
+waits for more than its own prefill takes. The scheduler sends urgent Steps together only
+for requests of one rank (scheduler_service/admission.py), so this never lets a less
+urgent request pass a more urgent one.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,13 +37,28 @@ if TYPE_CHECKING:
     from worker_service.engine import Engine
 
 
+def prompt_tokens(prefill: list[PrefillSpec]) -> int:
+    """The prompt tokens an urgent Step prefills (before any prefix-cache hit)."""
+    return sum(spec.prefill_end or len(spec.token_ids) for spec in prefill)
+
+
+@dataclass
+class _Posted:
+    """An urgent Step posted and not yet run."""
+
+    future: Future
+    prefill: list[PrefillSpec]
+    plan: list[list[int]]
+    tokens: int  # prompt_tokens(prefill)
+
+
 class UrgentSteps:
     """One engine's urgent Steps: those posted and not run, and the groups of those run
     that no plan has named yet."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._posted: deque[tuple[Future, list[PrefillSpec], list[list[int]]]] = deque()
+        self._posted: deque[_Posted] = deque()
         self._side: dict[int, KVGroup] = {}  # sequence id -> its group, not yet planned
         self._pause = engine.runner.pause_flag()
         self.nested_seconds = 0.0  # their time inside the current Step (Engine.step)
@@ -44,26 +67,33 @@ class UrgentSteps:
         """Queue an urgent Step (any thread). Whoever posts it must also make the compute
         thread call `run`, in case no Step runs to take it. The future holds its result."""
         future: Future = Future()
-        self._posted.append((future, prefill, plan))
+        self._posted.append(_Posted(future, prefill, plan, prompt_tokens(prefill)))
         if self._pause is not None:
             self._pause.value = 1
         return future
 
-    def run(self, between_layers: bool = False) -> None:
+    def run(self, between_layers: bool = False, shorter_than: int | None = None) -> None:
         """Run the urgent Steps posted so far (compute thread), `between_layers` of a
-        Step's forward or not."""
+        Step's forward or not; with `shorter_than`, only those with fewer prompt tokens
+        (the others wait for the caller's loop)."""
         if self._pause is not None:
-            self._pause.value = 0
-        while self._posted:
-            future, prefill, plan = self._posted.popleft()
-            if not future.set_running_or_notify_cancel():
+            self._pause.value = 0  # before looking: a later post sets it again
+        while (posted := self._take(shorter_than)) is not None:
+            if not posted.future.set_running_or_notify_cancel():
                 continue
             try:
-                result = self.step(prefill, plan)
+                result = self.step(posted.prefill, posted.plan)
                 result.between_layers = between_layers
-                future.set_result(result)
+                posted.future.set_result(result)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
-                future.set_exception(exc)
+                posted.future.set_exception(exc)
+
+    def _take(self, shorter_than: int | None) -> _Posted | None:
+        for i, posted in enumerate(self._posted):
+            if shorter_than is None or posted.tokens < shorter_than:
+                del self._posted[i]
+                return posted
+        return None
 
     def between(self) -> None:
         """Between two layers of a Step's forward: the urgent Steps, timed apart."""
@@ -81,6 +111,12 @@ class UrgentSteps:
 
     def _step(self, prefill: list[PrefillSpec], plan: list[list[int]]) -> StepResult:
         engine = self.engine
+        tokens, nested = prompt_tokens(prefill), [0.0]
+
+        def shorter_between() -> None:  # shorter urgent Steps, between this one's layers
+            t = time.perf_counter()
+            self.run(between_layers=True, shorter_than=tokens)
+            nested[0] += time.perf_counter() - t
         t0 = time.perf_counter()
         result = StepResult()
         new_ids = step_checks.new_sequences(prefill, engine.sequences, engine.swap or ())
@@ -98,8 +134,10 @@ class UrgentSteps:
                 self._side[sid] = group
             groups.append(group)
         result.regroup_seconds = time.perf_counter() - t0
-        engine.run(groups, [0] * len(groups), result)
+        engine.run(groups, [0] * len(groups), result, between=shorter_between)
         engine.report(result, t0)
+        result.forward_seconds -= nested[0]
+        result.total_seconds -= nested[0]
         return result
 
     def adopt(self, plan: list[list[int]]) -> Mapping[int, SequenceState]:

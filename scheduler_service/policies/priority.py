@@ -63,10 +63,14 @@ class PriorityAdmission(RankedAdmission):
                                     window_steps) if background_chunk_tokens else None)
         self.urgent_steps = urgent_steps
 
-    def urgent(self, waiting: WaitingQueue, running: Iterable[Sequence]) -> list[Sequence]:
+    def urgent(self, waiting: WaitingQueue, running: Iterable[Sequence],
+               in_flight: Iterable[Sequence] = ()) -> list[Sequence]:
         """With `urgent_steps`: the waiting requests more urgent (after aging) than some
         running sequence, most urgent first; those of the least urgent rank running wait
-        for the next Step as before."""
+        for the next Step as before. While urgent Steps are in flight, those less urgent
+        than any of their requests wait for their answers too: the worker runs a later
+        urgent Step with fewer prompt tokens between the layers of an earlier one
+        (worker_service/urgent_steps.py), which must not let them pass."""
         if not self.urgent_steps or not len(waiting):
             return []
         if self.shield is not None:
@@ -74,9 +78,10 @@ class PriorityAdmission(RankedAdmission):
         least = max((self.rank(s, waiting) for s in running), default=None)
         if least is None:
             return []
+        bar = min((self.rank(s, waiting) for s in in_flight), default=None)
         order = self.order(waiting)
-        cut = next((i for i, s in enumerate(order) if self.rank(s, waiting) >= least),
-                   len(order))
+        cut = next((i for i, s in enumerate(order) if self.rank(s, waiting) >= least
+                    or (bar is not None and self.rank(s, waiting) > bar)), len(order))
         return order[:cut]
 
     def candidates(self, waiting: WaitingQueue, budget: Budget) -> list[Sequence]:

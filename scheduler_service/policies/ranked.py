@@ -64,7 +64,8 @@ class RankedAdmission:
                     background_in_flight: bool) -> ChunkLimit | None:
         return None
 
-    def urgent(self, waiting: WaitingQueue, running: Iterable[Sequence]) -> list[Sequence]:
+    def urgent(self, waiting: WaitingQueue, running: Iterable[Sequence],
+               in_flight: Iterable[Sequence] = ()) -> list[Sequence]:
         return []
 
     def preempt(self, waiting: WaitingQueue, running: list[Sequence],
