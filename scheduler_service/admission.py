@@ -142,11 +142,12 @@ class AdmissionPolicy(Protocol):
         ...
 
     def urgent(self, waiting: WaitingQueue, running: Iterable[Sequence],
-               in_flight: Iterable[Sequence] = ()) -> list[Sequence]:
+               prefilling: Iterable[tuple[Sequence, int]] = ()) -> list[Sequence]:
         """Waiting requests, most urgent first, that should not wait for the next Step
         behind `running` work: the loop prefills those that fit in an urgent Step, which
-        the worker runs ahead of the Steps in flight. `in_flight`: the requests of urgent
-        Steps sent and not yet answered. Does not change `waiting`."""
+        the worker runs ahead of the Steps in flight. `prefilling`: the sequences whose
+        prompt chunks are in Steps in flight, each with the prompt tokens it had left when
+        its chunk went. Does not change `waiting`."""
         ...
 
 
@@ -179,7 +180,7 @@ class FCFSAdmission:
         return None
 
     def urgent(self, waiting: WaitingQueue, running: Iterable[Sequence],
-               in_flight: Iterable[Sequence] = ()) -> list[Sequence]:
+               prefilling: Iterable[tuple[Sequence, int]] = ()) -> list[Sequence]:
         return []  # arrival order: none goes ahead of work already running
 
 

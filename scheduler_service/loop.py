@@ -198,10 +198,9 @@ class IterationLoop:
         budget = Budget(self.max_batch - len(self.running), self.kv_budget - reserved,
                         self.max_num_batched_tokens, self.chunked)
         releasing = set(self.to_release).union(*(f.plan.release for f in self.steps.inflight))
-        in_flight = [s for f in self.steps.inflight if f.plan.urgent for s in f.plan.prefill]
         admitted = urgent_admissions(
-            self.policy.urgent(self.waiting, self.running.values(), in_flight), budget,
-            releasing)
+            self.policy.urgent(self.waiting, self.running.values(),
+                               self.steps.prefilling(self.running)), budget, releasing)
         if not admitted:
             return  # no room: the next Step preempts for it, as before
         now = time.monotonic()

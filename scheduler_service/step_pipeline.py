@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from scheduler_service.batch_plan import StepPlan
+from scheduler_service.sequence import Sequence
 from scheduler_service.step_pacing import SentStep, StepPacer
 from scheduler_service.worker_client import StepAnswer, StepFailed, StepStream, WorkerClient
 
@@ -42,6 +43,13 @@ class StepPipeline:
     def regular(self) -> int:
         """Regular Steps in flight (urgent ones come on top)."""
         return sum(not f.plan.urgent for f in self.inflight)
+
+    def prefilling(self, running: Mapping[int, Sequence]) -> list[tuple[Sequence, int]]:
+        """The running sequences with a prompt chunk in a Step in flight, each with the
+        prompt tokens it had left when the chunk went."""
+        return [(running[sid], running[sid].prefill_target - chunk.start)
+                for f in self.inflight for sid, chunk in f.plan.chunks.items()
+                if sid in running]
 
     @property
     def background(self) -> bool:

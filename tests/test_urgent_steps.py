@@ -424,14 +424,28 @@ def test_priority_names_the_waiting_requests_that_outrank_running_work():
     assert policy.urgent(waiting, []) == []
     assert PriorityAdmission(64).urgent(waiting, work) == []  # urgent Steps off
     assert FCFSAdmission().urgent(waiting, work) == []
-    # Urgent Steps in flight: a shorter one sent later runs inside them on the worker, so
-    # only requests at least as urgent as all of theirs go now.
+    # Prompts being prefilled in Steps in flight (with the tokens they had left): none
+    # goes ahead of a more urgent one's, nor of an equally urgent one's as short (b and c
+    # have 10 tokens), and within an urgent class a shorter one goes ahead of a longer
+    # one's even with nothing less urgent running (shortest first).
     d = seq(5, priority=-8)
     waiting.push(d)
-    assert policy.urgent(waiting, work, [seq(20, priority=-5)]) == [d, b, c]
-    assert policy.urgent(waiting, work, [seq(20, priority=-8)]) == [d]
-    assert policy.urgent(waiting, work, [seq(20, priority=-5), seq(21, priority=-9)]) == []
+    assert policy.urgent(waiting, work, [(seq(20, priority=3), 500)]) == [d, b, c]
+    assert policy.urgent(waiting, work, [(seq(20, priority=-5), 11)]) == [d, b, c]
+    assert policy.urgent(waiting, work, [(seq(20, priority=-5), 10)]) == [d]
+    assert policy.urgent(waiting, work, [(seq(20, priority=-8), 11)]) == [d]
+    assert policy.urgent(waiting, work, [(seq(20, priority=-9), 500)]) == []
     waiting.remove(d)
+    urgent_only = running(seq(21, prompt_len=400, priority=-5))
+    assert policy.urgent(waiting, urgent_only) == []  # nothing less urgent runs
+    assert policy.urgent(waiting, urgent_only, [(urgent_only[0], 400)]) == [b, c]
+    assert policy.urgent(waiting, urgent_only, [(urgent_only[0], 10)]) == []
+    background_only = running(seq(22, prompt_len=400))
+    waiting.remove(b)
+    waiting.remove(c)
+    e = seq(6)  # of the default priority: arrival order, no shortest first
+    waiting.push(e)
+    assert policy.urgent(waiting, background_only, [(background_only[0], 400)]) == []
 
     room = Budget(free_slots=4, free_kv_tokens=1000, prefill_tokens=64, chunked=True)
     assert urgent_admissions([b, c], room) == [b, c]

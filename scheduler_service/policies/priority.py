@@ -24,6 +24,7 @@ from scheduler_service.sequence import Sequence
 
 PRIORITY_MIN = -100
 PRIORITY_MAX = 100
+DEFAULT_PRIORITY = 0
 
 
 def check_priority(value: Any) -> int:
@@ -64,13 +65,16 @@ class PriorityAdmission(RankedAdmission):
         self.urgent_steps = urgent_steps
 
     def urgent(self, waiting: WaitingQueue, running: Iterable[Sequence],
-               in_flight: Iterable[Sequence] = ()) -> list[Sequence]:
-        """With `urgent_steps`: the waiting requests more urgent (after aging) than some
-        running sequence, most urgent first; those of the least urgent rank running wait
-        for the next Step as before. While urgent Steps are in flight, those less urgent
-        than any of their requests wait for their answers too: the worker runs a later
-        urgent Step with fewer prompt tokens between the layers of an earlier one
-        (worker_service/urgent_steps.py), which must not let them pass."""
+               prefilling: Iterable[tuple[Sequence, int]] = ()) -> list[Sequence]:
+        """With `urgent_steps`: the waiting requests, most urgent first, that go ahead of
+        the Steps in flight: those more urgent (after aging) than some running sequence,
+        and those of an urgent class (rank below the default priority) with a shorter
+        prompt than an equally urgent prompt being prefilled. `prefilling`: the sequences
+        whose prompt chunks are in Steps in flight, each with the prompt tokens it had left
+        when its chunk went. A request never goes ahead of the prefill of a more urgent
+        one, nor of an equally urgent one as short or shorter (shortest first within a
+        rank: of two prompts that meet, the longer then waits less than its own prefill);
+        the worker keeps the same rule inside urgent Steps (urgent_steps.py)."""
         if not self.urgent_steps or not len(waiting):
             return []
         if self.shield is not None:
@@ -78,11 +82,18 @@ class PriorityAdmission(RankedAdmission):
         least = max((self.rank(s, waiting) for s in running), default=None)
         if least is None:
             return []
-        bar = min((self.rank(s, waiting) for s in in_flight), default=None)
+        chunks = [(self.rank(s, waiting), left) for s, left in prefilling]
         order = self.order(waiting)
-        cut = next((i for i, s in enumerate(order) if self.rank(s, waiting) >= least
-                    or (bar is not None and self.rank(s, waiting) > bar)), len(order))
-        return order[:cut]
+        taken = []
+        for seq in order:
+            rank, tokens = self.rank(seq, waiting), seq.length
+            ahead = [left for r, left in chunks if r <= rank]
+            if any(r < rank for r, _ in chunks) or any(left <= tokens for left in ahead):
+                break  # it would delay a more urgent prefill, or a shorter one of its rank
+            if not (rank < least or (rank < DEFAULT_PRIORITY and ahead)):
+                break
+            taken.append(seq)
+        return taken
 
     def candidates(self, waiting: WaitingQueue, budget: Budget) -> list[Sequence]:
         order = self.order(waiting)

@@ -65,7 +65,7 @@ class RankedAdmission:
         return None
 
     def urgent(self, waiting: WaitingQueue, running: Iterable[Sequence],
-               in_flight: Iterable[Sequence] = ()) -> list[Sequence]:
+               prefilling: Iterable[tuple[Sequence, int]] = ()) -> list[Sequence]:
         return []
 
     def preempt(self, waiting: WaitingQueue, running: list[Sequence],
