@@ -47,7 +47,10 @@ class StepPipeline:
     def prefilling(self, running: Mapping[int, Sequence]) -> list[tuple[Sequence, int]]:
         """The running sequences with a prompt chunk in a Step in flight, each with the
         prompt tokens it had left when the chunk went."""
-        return [(running[sid], running[sid].prefill_target - chunk.start)
+        # At least the chunk itself: a sequence preempted and admitted again since has a
+        # new target.
+        return [(running[sid], max(running[sid].prefill_target - chunk.start,
+                                   chunk.end - chunk.start))
                 for f in self.inflight for sid, chunk in f.plan.chunks.items()
                 if sid in running]
 

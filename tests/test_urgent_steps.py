@@ -125,6 +125,41 @@ def test_a_shorter_urgent_step_runs_inside_a_longer_one(tmp_path, dtype):
     assert got == want
 
 
+def test_a_shorter_urgent_step_waiting_behind_one_stops_the_next_longer_one(tmp_path):
+    """B (150 tokens) and C (120) are posted while A (100) runs: neither is shorter than A,
+    so both wait; then B starts, and C, shorter than B, runs between B's layers although A
+    had cleared the pause flag."""
+    engine = Engine(_runner(tmp_path, "bfloat16", "odd"))
+    if engine.runner.layer_loop is None:
+        pytest.skip("this model's forward does not stop between layers")
+    a = [PrefillSpec(1, LONG[:100], 0, DecodingParams())]
+    b = [PrefillSpec(2, LONG, 0, DecodingParams())]
+    c = [PrefillSpec(3, LONG[:120][::-1], 0, DecodingParams())]
+    forward, later, ended = engine.runner.forward, [], []
+
+    def posting_forward(batch, rows=None, between=None):
+        if not later:
+            later.extend((engine.urgent.post(b, [[2]]), engine.urgent.post(c, [[3]])))
+            for sid, future in zip((2, 3), later):
+                future.add_done_callback(lambda _, sid=sid: ended.append(sid))
+        return forward(batch, rows, between)
+    engine.runner.forward = posting_forward
+    first = engine.urgent.post(a, [[1]])
+    first.add_done_callback(lambda _: ended.append(1))
+    engine.urgent.run()
+    assert ended == [1, 3, 2]
+    assert later[1].result().between_layers
+
+
+def test_clearing_cancels_the_urgent_steps_not_run(tmp_path):
+    engine = Engine(_runner(tmp_path, "float32"))
+    posted = engine.urgent.post([PrefillSpec(1, SHORT, 0, DecodingParams())], [[1]])
+    engine.urgent.clear()
+    assert posted.cancelled()
+    engine.urgent.run()  # nothing left to run
+    assert 1 not in engine.sequences
+
+
 def test_the_c_layers_stop_where_asked_and_go_on_with_the_same_bits(tmp_path):
     """The pause flag stops the C call at a layer boundary; `between` runs there (twice in
     three layers)."""
@@ -440,6 +475,11 @@ def test_priority_names_the_waiting_requests_that_outrank_running_work():
     assert policy.urgent(waiting, urgent_only) == []  # nothing less urgent runs
     assert policy.urgent(waiting, urgent_only, [(urgent_only[0], 400)]) == [b, c]
     assert policy.urgent(waiting, urgent_only, [(urgent_only[0], 10)]) == []
+    f = seq(7, prompt_len=300, priority=-5)  # before b and c in the order (same rank)
+    f.arrival_time = 0.5
+    waiting.push(f)
+    assert policy.urgent(waiting, urgent_only, [(urgent_only[0], 200)]) == [b, c]
+    waiting.remove(f)
     background_only = running(seq(22, prompt_len=400))
     waiting.remove(b)
     waiting.remove(c)

@@ -11,14 +11,16 @@ its sequences out.
 
 Urgent Steps run in the order they come, but one with fewer prompt tokens than the urgent
 Step in progress runs between that one's layers (shortest first, with preemption): of two
-urgent prompts that meet, the longer then waits for less than its own time, so neither
-waits for more than its own prefill takes. The scheduler sends urgent Steps together only
-for requests of one rank (scheduler_service/admission.py), so this never lets a less
-urgent request pass a more urgent one.
+urgent prompts that meet, the longer then waits for less than its own prefill. The
+scheduler never sends an urgent Step ahead of a more urgent prefill in flight
+(`PriorityAdmission.urgent`), so sizes decide only among equally urgent requests; its
+measure (each prompt's tokens left) may call a request shorter where this one (the Step's
+prompt tokens, a first chunk at most) does not, and the Step then waits its turn.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -59,6 +61,7 @@ class UrgentSteps:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._posted: deque[_Posted] = deque()
+        self._lock = threading.Lock()  # posts come from the reader thread
         self._side: dict[int, KVGroup] = {}  # sequence id -> its group, not yet planned
         self._pause = engine.runner.pause_flag()
         self.nested_seconds = 0.0  # their time inside the current Step (Engine.step)
@@ -67,7 +70,8 @@ class UrgentSteps:
         """Queue an urgent Step (any thread). Whoever posts it must also make the compute
         thread call `run`, in case no Step runs to take it. The future holds its result."""
         future: Future = Future()
-        self._posted.append(_Posted(future, prefill, plan, prompt_tokens(prefill)))
+        with self._lock:
+            self._posted.append(_Posted(future, prefill, plan, prompt_tokens(prefill)))
         if self._pause is not None:
             self._pause.value = 1
         return future
@@ -89,11 +93,16 @@ class UrgentSteps:
                 posted.future.set_exception(exc)
 
     def _take(self, shorter_than: int | None) -> _Posted | None:
-        for i, posted in enumerate(self._posted):
-            if shorter_than is None or posted.tokens < shorter_than:
-                del self._posted[i]
-                return posted
+        with self._lock:
+            for i, posted in enumerate(self._posted):
+                if shorter_than is None or posted.tokens < shorter_than:
+                    del self._posted[i]
+                    return posted
         return None
+
+    def _any_shorter(self, tokens: int) -> bool:
+        with self._lock:
+            return any(posted.tokens < tokens for posted in self._posted)
 
     def between(self) -> None:
         """Between two layers of a Step's forward: the urgent Steps, timed apart."""
@@ -134,6 +143,9 @@ class UrgentSteps:
                 self._side[sid] = group
             groups.append(group)
         result.regroup_seconds = time.perf_counter() - t0
+        if self._pause is not None and self._any_shorter(tokens):
+            # Posted while a longer Step ran, which cleared the flag without taking it.
+            self._pause.value = 1
         engine.run(groups, [0] * len(groups), result, between=shorter_between)
         engine.report(result, t0)
         result.forward_seconds -= nested[0]
@@ -168,6 +180,8 @@ class UrgentSteps:
 
     def clear(self) -> None:
         """Every sequence is dropped: so are the urgent Steps not run yet."""
-        while self._posted:
-            self._posted.popleft()[0].cancel()
+        with self._lock:
+            posted, self._posted = self._posted, deque()
+        for p in posted:
+            p.future.cancel()
         self._side.clear()

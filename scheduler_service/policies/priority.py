@@ -7,7 +7,9 @@ all its waits, also after preemptions, and kept while it runs). Ties go to the e
 arrival. So a request of priority p waits at most (p - PRIORITY_MIN) * aging_steps Steps
 (plus the time for room to free up) before it comes first among later arrivals, however
 urgent, and after (p - PRIORITY_MIN + 1) * aging_steps it preempts them too. A running
-sequence is preempted only by a strictly more urgent one.
+sequence is preempted only by a strictly more urgent one. With urgent Steps, within a rank
+below the default a shorter prompt also goes ahead of a longer one being prefilled
+(`PriorityAdmission.urgent`).
 """
 
 from __future__ import annotations
@@ -87,12 +89,13 @@ class PriorityAdmission(RankedAdmission):
         taken = []
         for seq in order:
             rank, tokens = self.rank(seq, waiting), seq.length
-            ahead = [left for r, left in chunks if r <= rank]
-            if any(r < rank for r, _ in chunks) or any(left <= tokens for left in ahead):
-                break  # it would delay a more urgent prefill, or a shorter one of its rank
-            if not (rank < least or (rank < DEFAULT_PRIORITY and ahead)):
-                break
-            taken.append(seq)
+            if any(r < rank for r, _ in chunks):
+                break  # it, and every one after it, would delay a more urgent prefill
+            ahead = [left for r, left in chunks if r == rank]
+            if any(left <= tokens for left in ahead):
+                continue  # it would delay a shorter one of its rank; a shorter one may go
+            if rank < least or (rank < DEFAULT_PRIORITY and ahead):
+                taken.append(seq)
         return taken
 
     def candidates(self, waiting: WaitingQueue, budget: Budget) -> list[Sequence]:
