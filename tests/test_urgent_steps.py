@@ -357,6 +357,7 @@ class _ServicerStream:
 
         answer = StepAnswer.from_proto(await self.answers.get())
         self.worker.in_flight -= answer.step_id not in self.worker.urgent_ids()
+        self.worker.answered.append(answer.step_id)
         return answer
 
     def close(self):
@@ -375,6 +376,7 @@ class _InProcessWorker:
         self.servicer.attach(engine)
         self.info = WorkerInfo.from_proto(self.servicer.Info(None, None))
         self.sent: list[bool] = []  # whether each Step sent was urgent, in order
+        self.answered: list[int] = []  # step ids, in the order their answers came
         self.in_flight = self.most_regular = 0
 
     def urgent_ids(self) -> set[int]:
@@ -431,6 +433,73 @@ def test_urgent_steps_keep_the_pipeline_as_deep_as_before():
     assert any(worker.sent), "no urgent Step was sent"
     assert worker.most_regular == 2
     for s in seqs:
+        want = reference.greedy(model, tok.decode(s.prompt_ids, skip_special_tokens=True),
+                                len(s.output_ids))
+        assert reference.same_until_eos(s.output_ids, want, tok.eos_token_id)
+
+
+def test_a_shorter_urgent_prompt_goes_ahead_of_a_longer_one_with_nothing_else_running():
+    """The loop over the real worker: a short urgent request that arrives while an equally
+    urgent long prompt's Step runs, with nothing less urgent running, goes in an urgent
+    Step between that Step's layers and ends first; both replies equal model.generate."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from scheduler_service.loop import IterationLoop
+    from scheduler_service.metrics import SchedulerMetrics
+    from scheduler_service.policies.priority import PriorityAdmission
+    from tests.loop_driver import greedy_sequence
+
+    model = tiny_model("llama")
+    tok = AutoTokenizer.from_pretrained(str(model))
+    engine = Engine(ModelRunner(str(model)))
+    if engine.runner.layer_loop is None:
+        pytest.skip("this model's forward does not stop between layers")
+    worker = _InProcessWorker(engine)
+    gate, release = threading.Event(), threading.Event()
+    forward = engine.runner.forward
+
+    def held_forward(batch, rows=None, between=None):
+        if between is not None and not gate.is_set():  # the long prompt's Step
+            gate.set()
+            assert release.wait(30)
+        return forward(batch, rows, between)
+    engine.runner.forward = held_forward
+
+    async def scenario():
+        loop = IterationLoop(worker, max_rolling_batch_size=8, max_queue=16, max_sparsity=0.3,
+                             max_splits=2, worker_timeout=30, metrics=SchedulerMetrics(),
+                             max_num_batched_tokens=512, steps_in_flight=2,
+                             policy=PriorityAdmission(64, 16, urgent_steps=True))
+        long = greedy_sequence(loop, tok, "a long story " * 40, 4)
+        short = greedy_sequence(loop, tok, "now please", 4)
+        for s in (long, short):
+            s.priority = -5
+        loop.submit(long)
+        task = asyncio.create_task(loop.run())
+        while not gate.is_set():
+            await asyncio.sleep(0.001)
+        loop.submit(short)
+        for _ in range(2000):
+            if any(worker.sent):
+                break
+            await asyncio.sleep(0.001)
+        release.set()
+        for _ in range(6000):
+            if long.finished and short.finished:
+                break
+            await asyncio.sleep(0.005)
+        loop.stop()
+        await asyncio.wait_for(task, 30)
+        return long, short
+
+    long, short = asyncio.run(scenario())
+    assert True in worker.sent, "no urgent Step was sent"
+    urgent_id = worker.sent.index(True) + 1
+    # Its answer came before that of Step 1, the long prompt's, which it interrupted.
+    assert worker.answered.index(urgent_id) < worker.answered.index(1), worker.answered
+    for s in (long, short):
         want = reference.greedy(model, tok.decode(s.prompt_ids, skip_special_tokens=True),
                                 len(s.output_ids))
         assert reference.same_until_eos(s.output_ids, want, tok.eos_token_id)
