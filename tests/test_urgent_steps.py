@@ -106,23 +106,35 @@ def test_a_shorter_urgent_step_runs_inside_a_longer_one(tmp_path, dtype):
     engine = Engine(_runner(tmp_path, dtype))
     if engine.runner.layer_loop is None:
         pytest.skip("this model's forward does not stop between layers")
-    forward, later, ended = engine.runner.forward, [], []
-
-    def posting_forward(batch, rows=None, between=None):
-        if not later:  # the longer Step's forward: the others come while it runs
-            later.extend((engine.urgent.post(shorter, [[2]]), engine.urgent.post(same, [[3]])))
-            for sid, future in zip((2, 3), later):
-                future.add_done_callback(lambda _, sid=sid: ended.append(sid))
-        return forward(batch, rows, between)
-    engine.runner.forward = posting_forward
-    first = engine.urgent.post(longer, [[1]])
-    first.add_done_callback(lambda _: ended.append(1))
-    engine.urgent.run()
+    (first, *later), ended = _posted_during_one(engine, (1, longer), [(2, shorter), (3, same)])
     assert ended == [2, 1, 3]
     assert later[0].result().between_layers and not later[1].result().between_layers
     got = {1: tokens(first.result()), 2: tokens(later[0].result()),
            3: tokens(later[1].result())}
     assert got == want
+
+
+def _posted_during_one(engine: Engine, first, later):
+    """Post urgent Step `first`, a (sequence id, prefill) pair, and run it; the `later`
+    ones are posted once its forward has begun. Their futures, first's first, and the
+    sequence ids in the order their Steps ended."""
+    forward, futures, ended = engine.runner.forward, [], []
+
+    def post(sid, prefill):
+        future = engine.urgent.post(prefill, [[sid]])
+        future.add_done_callback(lambda _: ended.append(sid))
+        futures.append(future)
+
+    def posting_forward(batch, rows=None, between=None):
+        if len(futures) == 1:  # first's forward: the others come while it runs
+            for sid, prefill in later:
+                post(sid, prefill)
+        return forward(batch, rows, between)
+    engine.runner.forward = posting_forward
+    post(*first)
+    engine.urgent.run()
+    engine.runner.forward = forward
+    return futures, ended
 
 
 def test_a_shorter_urgent_step_waiting_behind_one_stops_the_next_longer_one(tmp_path):
@@ -135,20 +147,9 @@ def test_a_shorter_urgent_step_waiting_behind_one_stops_the_next_longer_one(tmp_
     a = [PrefillSpec(1, LONG[:100], 0, DecodingParams())]
     b = [PrefillSpec(2, LONG, 0, DecodingParams())]
     c = [PrefillSpec(3, LONG[:120][::-1], 0, DecodingParams())]
-    forward, later, ended = engine.runner.forward, [], []
-
-    def posting_forward(batch, rows=None, between=None):
-        if not later:
-            later.extend((engine.urgent.post(b, [[2]]), engine.urgent.post(c, [[3]])))
-            for sid, future in zip((2, 3), later):
-                future.add_done_callback(lambda _, sid=sid: ended.append(sid))
-        return forward(batch, rows, between)
-    engine.runner.forward = posting_forward
-    first = engine.urgent.post(a, [[1]])
-    first.add_done_callback(lambda _: ended.append(1))
-    engine.urgent.run()
+    (_, _, later_c), ended = _posted_during_one(engine, (1, a), [(2, b), (3, c)])
     assert ended == [1, 3, 2]
-    assert later[1].result().between_layers
+    assert later_c.result().between_layers
 
 
 def test_clearing_cancels_the_urgent_steps_not_run(tmp_path):

@@ -106,9 +106,13 @@ class UrgentSteps:
 
     def between(self) -> None:
         """Between two layers of a Step's forward: the urgent Steps, timed apart."""
+        self.nested_seconds += self._run_between(None)
+
+    def _run_between(self, shorter_than: int | None) -> float:
+        """`run` between two layers of a forward; the seconds it took."""
         t = time.perf_counter()
-        self.run(between_layers=True)
-        self.nested_seconds += time.perf_counter() - t
+        self.run(between_layers=True, shorter_than=shorter_than)
+        return time.perf_counter() - t
 
     def step(self, prefill: list[PrefillSpec], plan: list[list[int]]) -> StepResult:
         """Prefill new greedy or sampled sequences in groups of their own and choose their
@@ -123,9 +127,7 @@ class UrgentSteps:
         tokens, nested = prompt_tokens(prefill), [0.0]
 
         def shorter_between() -> None:  # shorter urgent Steps, between this one's layers
-            t = time.perf_counter()
-            self.run(between_layers=True, shorter_than=tokens)
-            nested[0] += time.perf_counter() - t
+            nested[0] += self._run_between(tokens)
         t0 = time.perf_counter()
         result = StepResult()
         new_ids = step_checks.new_sequences(prefill, engine.sequences, engine.swap or ())

@@ -76,7 +76,7 @@ class PriorityAdmission(RankedAdmission):
         when its chunk went. A request never goes ahead of the prefill of a more urgent
         one, nor of an equally urgent one as short or shorter (shortest first within a
         rank: of two prompts that meet, the longer then waits less than its own prefill);
-        the worker keeps the same rule inside urgent Steps (urgent_steps.py)."""
+        the worker keeps a like rule among urgent Steps (urgent_steps.py)."""
         if not self.urgent_steps or not len(waiting):
             return []
         if self.shield is not None:
@@ -85,11 +85,11 @@ class PriorityAdmission(RankedAdmission):
         if least is None:
             return []
         chunks = [(self.rank(s, waiting), left) for s, left in prefilling]
-        order = self.order(waiting)
+        most = min((r for r, _ in chunks), default=None)
         taken = []
-        for seq in order:
+        for seq in self.order(waiting):
             rank, tokens = self.rank(seq, waiting), seq.length
-            if any(r < rank for r, _ in chunks):
+            if most is not None and most < rank:
                 break  # it, and every one after it, would delay a more urgent prefill
             ahead = [left for r, left in chunks if r == rank]
             if any(left <= tokens for left in ahead):
