@@ -10,8 +10,9 @@
  * left operand is an input row's pair (x[2kp], x[2kp + 1]) broadcast to the 16 lanes.
  * A register tile holds MR rows x NB blocks of float32 sums; each thread takes one
  * contiguous range of blocks and streams their weights front to back once, every row tile
- * reusing the block group's weights from cache while, for up to PREFETCH_ROWS rows, the
- * tiles fetch the next group's. No horizontal sums: a lane ends as one output.
+ * reusing the block group's weights from cache while, for PREFETCH_MIN_ROWS to
+ * PREFETCH_ROWS rows, the tiles fetch the next group's. No horizontal sums: a lane ends
+ * as one output.
  *
  * Each output is its input row's pairs dotted with its weight column in the order of kp,
  * exact bfloat16 products summed in float32, plus the bias, rounded once to bfloat16
@@ -38,10 +39,16 @@
 
 #define MR 6 /* rows of a register tile */
 #define NB 4 /* 16-column blocks of a register tile: MR x NB = 24 of the 32 registers */
-/* Up to this many rows, the row tiles of a block group fetch the next group's weights
- * (1.01-1.18x on SmolLM2's layers at 1-64 rows); with more, the tiles are compute-bound
- * and the fetching cost 2-4%. */
+/* From PREFETCH_MIN_ROWS to PREFETCH_ROWS rows, the row tiles of a block group fetch the
+ * next group's weights: SmolLM2's 120 layer products (their own weights, two threads, a
+ * Zen 5 EPYC) ran 1.15-1.3x as fast with it at 16-64 rows. With more rows the tiles are
+ * compute-bound and the fetching cost 2-4%. With fewer, the products only stream their
+ * weights, and the fetches (four more streams a thread, a group ahead) slowed that
+ * streaming: the 120 products of one row took 5.2-5.7 ms with them and 4.8-5.0 without,
+ * a whole decoding step of one row 6.7-7.1 ms against 6.2-6.6 (qwen2-gqa 6.2-6.3 against
+ * 5.8-5.9, mid 2.8-2.9 against 2.5-2.6); at 8 rows the two are even. */
 #define PREFETCH_ROWS 64
+#define PREFETCH_MIN_ROWS 8
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -69,6 +76,7 @@ static inline __m512 bias16(const uint16_t *bias, __mmask16 mask, int64_t c) {
 struct ahead {
     const uint16_t *p;
     int64_t second, blocks, phase, every;
+    int fetch_y; /* an ADD tile that fetches no weights fetches y first (past PREFETCH_ROWS) */
 };
 
 /* What a tile does with its rounded sums: stores them, adds them into y (the residual
@@ -135,7 +143,7 @@ tile(const uint16_t *x, int64_t xs, const uint16_t *p, int64_t second, int64_t k
     /* An ADD tile's epilogue reads y: fetched now, those reads hit cache instead of each
      * tile stalling on them at its end (o and down of SmolLM2 at 2048 rows: 1.2x and
      * 1.08x); up to PREFETCH_ROWS rows y is small and the fetching cost 2-4% */
-    if (how == ADD && !prefetch)
+    if (how == ADD && !prefetch && ahead->fetch_y)
         for (int m = 0; m < mr; m++) {
             const char *row = (const char *)(y + m * n + col0);
             for (int at = 0; at < nbk * 32; at += 64)
@@ -270,7 +278,7 @@ static void silu_tile_overlapped(const uint16_t *x, int64_t xs, const uint16_t *
         TILE_ROWS(3, PF, HOW) TILE_ROWS(2, PF, HOW) TILE_ROWS(1, PF, HOW)      \
     }
 #define TILE_ANY(HOW)                                                          \
-    if (rows <= PREFETCH_ROWS) {                                               \
+    if (rows <= PREFETCH_ROWS && rows >= PREFETCH_MIN_ROWS) {                  \
         TILE_ANY_ROWS(1, HOW)                                                  \
     } else {                                                                   \
         TILE_ANY_ROWS(0, HOW)                                                  \
@@ -342,7 +350,7 @@ static void linear_dot(const uint16_t *x, const uint16_t *p, const uint16_t *bia
             }
             silu_flush(&pending, silu);
             const struct ahead ahead = {p + next * unit_blocks * block, second, next_blocks,
-                                        r0 / MR, tiles};
+                                        r0 / MR, tiles, rows > PREFETCH_ROWS};
             /* a runtime epilogue cost the store loop 5-10% (2048 rows) */
             if (how == STORE) {
                 TILE_ANY(STORE)
