@@ -242,12 +242,21 @@ static float softmax_row(const float *s, uint16_t *p, int64_t n, int64_t lo, int
                          int64_t end, float scale) {
     const int64_t from = first - lo, to = end - lo;
     const float c = scale * 1.44269504f;
+    /* the vectors wholly inside [from, to) without a mask: computing one a vector cost
+     * as much as the maximum itself */
     __m512 best = _mm512_set1_ps(-INFINITY);
-    for (int64_t i = from / 16 * 16; i < to; i += 16)
+    int64_t i = from / 16 * 16;
+    if (i < from && i < to) {
+        best = _mm512_mask_max_ps(best, lane_mask(i, from, to), best, _mm512_loadu_ps(s + i));
+        i += 16;
+    }
+    for (; i + 16 <= to; i += 16)
+        best = _mm512_max_ps(best, _mm512_loadu_ps(s + i));
+    if (i < to)
         best = _mm512_mask_max_ps(best, lane_mask(i, from, to), best, _mm512_loadu_ps(s + i));
     const __m512 cv = _mm512_set1_ps(c), top = _mm512_set1_ps(_mm512_reduce_max_ps(best) * c);
     __m512 total = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 32) {
+    for (i = 0; i < n; i += 32) {
         __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
         if (i + 32 > from && i < to) {
             e0 = exp2_le0(_mm512_fmsub_ps(_mm512_loadu_ps(s + i), cv, top));
