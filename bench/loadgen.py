@@ -9,7 +9,7 @@ import logging
 import random
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from bench.deployment import Deployment, flags
 from bench.metrics import GaugePeak, scrape, server_metrics, worker_metrics
@@ -223,18 +223,24 @@ def bench_seqserve(model_dir: Path, requests: Sequence[BenchRequest], tokenizer,
                    max_sparsity: float, max_splits: int, max_rolling_batch_size: int,
                    logdir: Path, dtype: str, device: str, poll_interval: float = 0.1,
                    worker_options: dict | None = None, slo: Slo | None = None,
-                   profile_dir: Path | None = None, server_options: dict | None = None) -> dict:
+                   profile_dir: Path | None = None, server_options: dict | None = None,
+                   bandwidth_probe: Callable[[], float] | None = None) -> dict:
     """Start a deployment, warm it up with one short request, run `requests` at once, stop it.
 
     With `profile_dir`, a second run of the same shape (fresh prompts) follows with py-spy
     sampling both processes; only its profile is kept (sampling costs CPU, so the measured
-    figures come from the first run)."""
+    figures come from the first run). With `bandwidth_probe` (bytes/s), the memory's
+    bandwidth is probed just before and just after the measured run, the deployment idle
+    (`bandwidth_probes` in the summary: the floor of that run is charged at them)."""
     with SeqserveTarget(model_dir, tokenizer, logdir=logdir, dtype=dtype, device=device,
                         max_sparsity=max_sparsity, max_splits=max_splits,
                         max_rolling_batch_size=max_rolling_batch_size,
                         worker_options=worker_options, poll_interval=poll_interval,
                         server_options=server_options) as target:
+        before = bandwidth_probe() if bandwidth_probe else None
         summary = target.run(requests, slo=slo)
+        if bandwidth_probe:
+            summary["bandwidth_probes"] = [before, bandwidth_probe()]
         if profile_dir is not None:
             profiled = target.run(fresh_prompts(tokenizer, requests), profile_dir=profile_dir)
             summary["profile"] = profiled["profile"]

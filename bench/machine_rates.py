@@ -12,7 +12,9 @@ the arithmetic side; the floor adds the weights' streaming from memory at the me
 bandwidth.
 
 Bandwidth: the fastest of `repeats` passes over a `size_mib` buffer, two ways, the faster
-counting: a copy (bytes read + written) and a float32 sum (bytes read).
+counting: a copy (bytes read + written) and a float32 sum (bytes read); it moves with the
+host's load, so `bench peers` also probes it around each system's run
+(bench/bandwidth_probe.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import logging
 import time
 from typing import Callable, Sequence
 
+from bench import bandwidth_probe
 from bench.env import machine_cores
 from bench.floor import MachineRates, ModelShape
 
@@ -90,19 +93,9 @@ def measure_gemm(k: int, n: int, ms: Sequence[int], *, min_time_s: float = 0.05,
 
 
 def measure_bandwidth(size_mib: int = 256, repeats: int = 5) -> dict:
-    """Bytes/s of a copy (read + write) and of a float32 sum (read) over `size_mib` MiB."""
-    import torch
-
-    n = size_mib * 2**20 // 4
-    src = torch.ones(n, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    copy_s = _best_loop(lambda: dst.copy_(src), 0.0, repeats)
-    sum_s = _best_loop(lambda: src.sum(), 0.0, repeats)
-    nbytes = n * 4
-    out = {"size_mib": size_mib, "copy_bytes_per_s": 2 * nbytes / copy_s,
-           "read_bytes_per_s": nbytes / sum_s}
-    out["bandwidth"] = max(out["copy_bytes_per_s"], out["read_bytes_per_s"])
-    return out
+    """Bytes/s of a copy (read + write) and of a float32 sum (read) over `size_mib` MiB
+    (bench/bandwidth_probe.py)."""
+    return bandwidth_probe.probe(size_mib, repeats)
 
 
 class Threads:

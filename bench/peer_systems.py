@@ -271,10 +271,13 @@ def vllm_dtype(model_dir: Path, requested: str | None = None) -> str:
 def run_vllm(model_dir: Path, runs: Sequence[dict], *, mode: str, workdir: Path,
              max_num_seqs: int = 64, kv_space_gib: int = 4, threads_bind: str = "all",
              enforce_eager: bool = False, preload: bool = False, python: Path = VLLM_PYTHON,
-             dtype: str | None = None, timeout_s: float = 7200) -> dict:
+             dtype: str | None = None, timeout_s: float = 7200,
+             probe_bandwidth: bool = False) -> dict:
     """Run bench/peers/vllm_peer.py on `runs` ([{"name", "requests": [BenchRequest],
     "arrivals": [s] | None, "max_concurrency"}]) in `dtype` (None: `vllm_dtype`'s
-    choice); returns its JSON, or {"skipped": why}."""
+    choice); returns its JSON, or {"skipped": why}. With `probe_bandwidth` (offline mode),
+    each run's JSON has the memory's bandwidth probed just before and after it
+    (`bandwidth_probes`, bytes/s; bench/bandwidth_probe.py)."""
     why = vllm_available(python)
     if why:
         logger.warning("%s", why)
@@ -282,7 +285,7 @@ def run_vllm(model_dir: Path, runs: Sequence[dict], *, mode: str, workdir: Path,
     workdir.mkdir(parents=True, exist_ok=True)
     spec = {"model": str(Path(model_dir).resolve()), "dtype": vllm_dtype(model_dir, dtype),
             "mode": mode, "max_num_seqs": max_num_seqs, "max_model_len": model_context(model_dir),
-            "seed": 0, "enforce_eager": enforce_eager,
+            "seed": 0, "enforce_eager": enforce_eager, "probe_bandwidth": probe_bandwidth,
             "runs": [{"name": run["name"], "max_concurrency": run.get("max_concurrency"),
                       "requests": [{"prompt_ids": r.prompt_ids, "output_len": r.output_len,
                                     "arrival_s": (run.get("arrivals") or [0.0] * len(
@@ -342,6 +345,8 @@ def vllm_summary(result: dict, run_index: int, requests: Sequence[BenchRequest],
                                  [r.output_len for r in requests])
         return {**summarize(res, slo), **base}
     d = run["duration_s"]
+    if run.get("bandwidth_probes"):
+        base["bandwidth_probes"] = run["bandwidth_probes"]
     return {**base, "completed": len(requests), "duration_s": d,
             "input_tokens": sum(r.prompt_len for r in requests),
             "output_tokens": run["output_tokens"], "request_throughput": len(requests) / d,

@@ -214,14 +214,29 @@ def peers_markdown(result: dict) -> str:
                      f"{100 * g['good_fraction']:.0f}% of requests.")
     if "floor" in result:
         fl = result["floor"]
-        shares = ", ".join(f"{'seqserve' if k == 'seqserve' else PEER_NAMES[k]} "
-                           f"{100 * v:.0f}%" for k, v in fl["fraction"].items())
+
+        def name(k: str) -> str:
+            return "seqserve" if k == "seqserve" else PEER_NAMES[k]
+
+        own = fl.get("by_system") or {}
+        shares = ", ".join(f"{name(k)} {100 * v:.0f}%" for k, v in fl["fraction"].items())
         parts.append(
             f"**Floor** (bench/floor.py: the linear layers at this machine's measured bf16 GEMM "
             f"rate plus weights and KV at its measured bandwidth "
-            f"{fl['bandwidth'] / 1e9:.1f} GB/s, over {fl['steps']} ideal steps): "
+            f"{fl['bandwidth'] / 1e9:.1f} GB/s{', probed after every run' if own else ''}, "
+            f"over {fl['steps']} ideal steps): "
             f"{fl['duration_s']:.2f} s, {fl['output_throughput']:.1f} output tokens/s. "
-            f"**Fraction of the floor: {shares}.**")
+            f"**Fraction of the floor"
+            f"{', each run at the bandwidth probed around it' if own else ''}: {shares}.**")
+        if own:
+            rows = [[name(k), " / ".join(f"{b / 1e9:.1f}" for b in v["probes"]),
+                     f"{v['duration_s']:.2f}", f"{100 * fl['fraction'][k]:.0f}%",
+                     f"{100 * fl['fraction_end_probe'][k]:.0f}%"] for k, v in own.items()]
+            parts += ["Each run's floor at the bandwidth probed just before / after it (the "
+                      "fractions above); the last column is against the one floor above, "
+                      "probed after every run:",
+                      md_table(["system", "bandwidth GB/s", "floor s", "fraction",
+                                "fraction (probe after all runs)"], rows)]
     if "ceiling" in result:
         c = result["ceiling"]
         fw = c["forward"]

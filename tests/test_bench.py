@@ -272,6 +272,15 @@ def test_serve_prefix_and_peers_end_to_end(tmp_path):
     assert 0 < peers["ceiling"]["fraction_of_ceiling"]
     assert peers["floor"]["output_tokens"] == want
     assert set(peers["floor"]["fraction"]) == {"seqserve", "hf", "hf-cb"}
+    # each run's own floor, at the bandwidth probed around it
+    own = peers["floor"]["by_system"]
+    assert set(own) == set(peers["floor"]["fraction_end_probe"]) == {"seqserve", "hf", "hf-cb"}
+    assert peers["seqserve"]["bandwidth_probes"] == own["seqserve"]["probes"]
+    for name, floor in own.items():
+        assert len(floor["probes"]) == 2 and min(floor["probes"]) > 0
+        assert floor["bandwidth"] == pytest.approx(sum(floor["probes"]) / 2)
+        measured = (peers["seqserve"] if name == "seqserve" else peers["peers"][name])["duration_s"]
+        assert peers["floor"]["fraction"][name] == pytest.approx(floor["duration_s"] / measured)
 
 
 def test_vllm_peer_runs_float32_where_the_cpu_has_no_native_half_precision(tmp_path,

@@ -245,6 +245,29 @@ def test_peers_report_sets_each_system_against_the_floor():
     md = peers_markdown(result)
     assert "Fraction of the floor: seqserve 50%, vLLM CPU 25%" in md
     assert "20.0 GB/s" in md
+    # each run's own floor, at the bandwidth probed around it
+    result["floor"].update(
+        by_system={"seqserve": {"probes": [5e10, 7e10], "bandwidth": 6e10, "duration_s": 0.9},
+                   "vllm": {"probes": [2e10, 2e10], "bandwidth": 2e10, "duration_s": 1.0}},
+        fraction={"seqserve": 0.45, "vllm": 0.25},
+        fraction_end_probe={"seqserve": 0.5, "vllm": 0.25})
+    md = peers_markdown(result)
+    assert ("Fraction of the floor, each run at the bandwidth probed around it: seqserve 45%, "
+            "vLLM CPU 25%") in md
+    assert "| seqserve | 50.0 / 70.0 | 0.90 | 45% | 50% |" in md
+    assert "| vLLM CPU | 20.0 / 20.0 | 1.00 | 25% | 25% |" in md
+
+
+def test_the_bandwidth_probe_reads_both_ways_and_leaves_torch_threads_as_they_were():
+    import torch
+
+    from bench.bandwidth_probe import probe
+
+    before = torch.get_num_threads()
+    got = probe(size_mib=8, repeats=2, threads=1)
+    assert torch.get_num_threads() == before
+    assert got["copy_bytes_per_s"] > 0 and got["read_bytes_per_s"] > 0
+    assert got["bandwidth"] == max(got["copy_bytes_per_s"], got["read_bytes_per_s"])
 
 
 @pytest.mark.parametrize("fractions", ["0", "0.5,-1", "nan"])

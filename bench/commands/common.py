@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import logging
 import shlex
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from bench.env import environment, model_context, model_dtype
 from bench.loadgen import bench_seqserve
@@ -118,16 +118,36 @@ def slo_limits(args) -> Slo | None:
 
 
 def run_seqserve_offline(args, model_dir, requests, tokenizer, meta, name: str,
-                         slo: Slo | None = None) -> dict:
+                         slo: Slo | None = None, probe_bandwidth: bool = False) -> dict:
     """seqserve on `requests` all at once. The peak padded-slots gauge is not reported
-    by these commands, so it is polled once a second rather than ten times."""
+    by these commands, so it is polled once a second rather than ten times. With
+    `probe_bandwidth`, the memory's bandwidth is probed around the run (bytes/s in
+    `bandwidth_probes`)."""
     profile = Path(args.out) / "profile" / name if getattr(args, "profile", False) else None
     return bench_seqserve(model_dir, requests, tokenizer, max_sparsity=args.max_sparsity,
                           max_splits=args.max_splits,
                           max_rolling_batch_size=args.max_rolling_batch_size,
                           logdir=Path(args.out) / "logs" / name, dtype=meta["dtype"],
                           device=args.device, slo=slo, profile_dir=profile,
-                          poll_interval=1.0, server_options=server_options(args))
+                          poll_interval=1.0, server_options=server_options(args),
+                          bandwidth_probe=bandwidth_now if probe_bandwidth else None)
+
+
+def bandwidth_now() -> float:
+    """The memory's bandwidth now, bytes/s, on every core (bench/bandwidth_probe.py)."""
+    from bench.bandwidth_probe import probe
+
+    return probe(threads=0)["bandwidth"]
+
+
+def probed(fn: Callable[[], dict]) -> dict:
+    """`fn()`'s result (an in-process peer's run) with the bandwidth probed just before and
+    just after it (`bandwidth_probes`), unless it was skipped."""
+    before = bandwidth_now()
+    result = fn()
+    if "skipped" not in result:
+        result["bandwidth_probes"] = [before, bandwidth_now()]
+    return result
 
 
 def selected_peers(args) -> list[str]:
@@ -144,9 +164,13 @@ def without_per_request(summary: dict) -> dict:
     return {k: v for k, v in summary.items() if k != "per_request"}
 
 
-def offline_floor(args, model_dir: Path, requests: Sequence[BenchRequest]) -> dict | None:
+def offline_floor(args, model_dir: Path, requests: Sequence[BenchRequest],
+                  systems: Mapping[str, dict] | None = None) -> dict | None:
     """The floor of `requests` all at once (bench/floor.py), rates measured here and now
-    (no server may run meanwhile); None with --no-floor."""
+    (no server may run meanwhile); None with --no-floor. Each of `systems` (name -> its
+    run's summary) whose run has `bandwidth_probes` also gets a floor of its own in
+    `by_system`: the same GEMM rates, and the bandwidth at the mean of its probes, since
+    the host's bandwidth moves between runs minutes apart."""
     if getattr(args, "no_floor", False):
         return None
     import json
@@ -156,7 +180,18 @@ def offline_floor(args, model_dir: Path, requests: Sequence[BenchRequest]) -> di
 
     shape = ModelShape.from_config(json.loads((Path(model_dir) / "config.json").read_text()))
     rates = measure_model(shape, threads=getattr(args, "hf_threads", None))
-    run = run_floor(shape, rates, [r.prompt_ids for r in requests],
-                    [r.output_len for r in requests], None, args.max_rolling_batch_size)
-    return {**run.as_dict(), "bandwidth": rates.bandwidth,
+
+    def floor_at(r):
+        return run_floor(shape, r, [q.prompt_ids for q in requests],
+                         [q.output_len for q in requests], None, args.max_rolling_batch_size)
+
+    run = floor_at(rates)
+    by_system = {}
+    for name, summary in (systems or {}).items():
+        probes = summary.get("bandwidth_probes")
+        if probes:
+            bandwidth = sum(probes) / len(probes)
+            by_system[name] = {"bandwidth": bandwidth, "probes": probes,
+                               "duration_s": floor_at(replace(rates, bandwidth=bandwidth)).duration_s}
+    return {**run.as_dict(), "bandwidth": rates.bandwidth, "by_system": by_system,
             "gemm_gflops": {k: [(m, r / 1e9) for m, r in pts] for k, pts in rates.gemm.items()}}

@@ -8,8 +8,9 @@ from pathlib import Path
 
 from bench.plots import plot_cdfs
 from bench.ceiling import run_ceiling
-from bench.commands.common import (logger, offline_floor, prepare, run_seqserve_offline,
-                                   selected_peers, slo_limits, vllm_kwargs)
+from bench.commands.common import (logger, offline_floor, prepare, probed,
+                                   run_seqserve_offline, selected_peers, slo_limits,
+                                   vllm_kwargs)
 from bench.commands.throughput import throughput_report
 from bench.peer_systems import PEER_NAMES, bench_hf, bench_hf_cb, run_vllm, vllm_summary
 from bench.report import peers_markdown, ratio, write
@@ -21,33 +22,47 @@ def run(args, prepared=None) -> dict:
     out_dir, slo = Path(args.out), slo_limits(args)
     peers = selected_peers(args)
     result: dict = {"benchmark": "peers", "workload": meta, "slo": slo.describe() if slo else None}
+    # Each run's floor is charged at the bandwidth probed around that run (offline_floor).
+    probe = not args.no_floor
     seq = result["seqserve"] = run_seqserve_offline(args, model_dir, requests, tokenizer, meta,
-                                                    "peers", slo)
+                                                    "peers", slo, probe_bandwidth=probe)
+    around = probed if probe else (lambda fn: fn())
     systems: dict[str, dict] = {}
     if "hf" in peers:
-        systems["hf"] = bench_hf(model_dir, requests, batch_size=args.hf_batch_size,
-                                 threads=args.hf_threads, device=args.device)
+        systems["hf"] = around(lambda: bench_hf(model_dir, requests,
+                                                batch_size=args.hf_batch_size,
+                                                threads=args.hf_threads, device=args.device))
     if "hf-cb" in peers:
         try:
-            systems["hf-cb"] = bench_hf_cb(model_dir, requests, threads=args.hf_threads,
-                                           device=args.device, slo=slo)
+            systems["hf-cb"] = around(lambda: bench_hf_cb(model_dir, requests,
+                                                          threads=args.hf_threads,
+                                                          device=args.device, slo=slo))
         except Exception as exc:  # noqa: BLE001 - a peer's failure is reported, not fatal
             logger.exception("transformers continuous batching failed")
             systems["hf-cb"] = {"skipped": f"transformers continuous batching failed: {exc!r}"}
     if "vllm" in peers:
         raw = run_vllm(model_dir, [{"name": "all-at-once", "requests": requests}], mode="offline",
-                       workdir=out_dir / "logs" / "peers", **vllm_kwargs(args))
+                       workdir=out_dir / "logs" / "peers", probe_bandwidth=probe,
+                       **vllm_kwargs(args))
         systems["vllm"] = raw if "skipped" in raw else vllm_summary(raw, 0, requests, slo)
     result["peers"] = systems
     if not args.no_ceiling:
         result["ceiling"] = run_ceiling(model_dir, requests, seq["server"]["mean_batch_size"],
                                         seq["output_throughput"], device=args.device,
                                         threads=args.hf_threads)
-    floor = offline_floor(args, model_dir, requests)
+    ran = {name: s for name, s in {"seqserve": seq, **systems}.items() if "skipped" not in s}
+    floor = offline_floor(args, model_dir, requests, ran)
     if floor:
-        result["floor"] = {**floor, "fraction": {
-            name: ratio(floor["duration_s"], s.get("duration_s"))
-            for name, s in {"seqserve": seq, **systems}.items() if "skipped" not in s}}
+        own = floor["by_system"]
+        result["floor"] = {
+            **floor,
+            # each run against the floor at the bandwidth probed around it
+            "fraction": {name: ratio(own[name]["duration_s"] if name in own
+                                     else floor["duration_s"], s.get("duration_s"))
+                         for name, s in ran.items()},
+            # ... and against the one floor of the probe after every run
+            "fraction_end_probe": {name: ratio(floor["duration_s"], s.get("duration_s"))
+                                   for name, s in ran.items()}}
     result["ratios"] = {name: ratio(seq["output_throughput"], s.get("output_throughput"))
                         for name, s in systems.items()}
     md = peers_markdown(result)

@@ -3,7 +3,7 @@
     .bench-peers-venv/bin/python bench/peers/vllm_peer.py SPEC.json RESULT.json
 
 SPEC: {"model": dir, "dtype": "bfloat16", "mode": "offline" | "serve", "max_num_seqs": 64,
-       "max_model_len": 2048, "seed": 0, "enforce_eager": false,
+       "max_model_len": 2048, "seed": 0, "enforce_eager": false, "probe_bandwidth": false,
        "runs": [{"name": str, "max_concurrency": int | null,
                  "requests": [{"prompt_ids": [int], "output_len": int, "arrival_s": float}]}]}
 
@@ -13,9 +13,11 @@ the call's. serve: `AsyncLLM.generate` per request, each sent at its arrival_s (
 max_concurrency in flight), streaming deltas; every token's arrival time is recorded, so the
 harness computes TTFT / TPOT / ITL with the same code as for seqserve. A short request warms
 the engine up first. KV memory is $VLLM_CPU_KVCACHE_SPACE GiB (the harness sets it).
+With probe_bandwidth (offline), the memory's bandwidth is probed just before and after each
+run, the engine idle (the run's "bandwidth_probes", bytes/s: the harness's floor of the run).
 
 RESULT: {"vllm": version, "torch": version, "mode", "load_s", "env": {...},
-         "runs": [{"name", "duration_s", "output_tokens",
+         "runs": [{"name", "duration_s", "output_tokens", "bandwidth_probes" (offline, if asked),
                    "requests": [{"send": s, "token_times": [s], "end": s}]}]}
 (times are seconds from time.perf_counter in this process; offline runs have no per-token times)
 """
@@ -62,6 +64,7 @@ def run_offline(spec: dict) -> dict:
         reqs = run["requests"]
         prompts = [TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in reqs]
         params = [_params(r["output_len"]) for r in reqs]
+        before = _bandwidth() if spec.get("probe_bandwidth") else None
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         t1 = time.perf_counter()
@@ -71,7 +74,23 @@ def run_offline(spec: dict) -> dict:
             raise SystemExit(f"vLLM generated {got}, expected {want}")
         runs.append({"name": run["name"], "duration_s": t1 - t0, "output_tokens": sum(got),
                      "requests": [{"send": t0, "token_times": [], "end": t1} for _ in reqs]})
+        if before is not None:
+            runs[-1]["bandwidth_probes"] = [before, _bandwidth()]
     return {"load_s": load_s, "runs": runs}
+
+
+def _bandwidth() -> float:
+    """The memory's bandwidth now, bytes/s, probed as the harness probes it around its own
+    runs (bench/bandwidth_probe.py, loaded by its path: the bench package needs seqserve's
+    own dependencies, which this Python lacks)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bandwidth_probe.py"
+    spec = importlib.util.spec_from_file_location("seqserve_bandwidth_probe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.probe(threads=0)["bandwidth"]
 
 
 def _freeze_objects() -> None:
