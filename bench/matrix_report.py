@@ -30,11 +30,13 @@ def _pct(x: float | None) -> str:
 
 
 def floor_fraction(point: dict, system: str) -> float | None:
-    """floor duration / the system's measured duration at this point."""
+    """floor duration / the system's measured duration at this point: the floor at the
+    bandwidth probed around that system's run where it was, else the point's one floor."""
     s, fl = point.get(system), point.get("floor")
     if not s or "skipped" in s or not fl:
         return None
-    return ratio(fl["duration_s"], s.get("duration_s"))
+    own = (fl.get("by_system") or {}).get(system)
+    return ratio((own or fl)["duration_s"], s.get("duration_s"))
 
 
 def ratio_row(cell: dict, point: dict) -> list[str]:
@@ -141,7 +143,9 @@ def matrix_markdown(result: dict) -> str:
              "Floor: the linear layers' FLOPs at this machine's measured bfloat16 GEMM rate "
              "at each step's row count, plus the weights and the KV read at the measured "
              "memory bandwidth, summed over the steps of an ideal continuous-batching engine "
-             "(bench/floor.py); % of floor = floor time / measured time.",
+             "(bench/floor.py); % of floor = floor time / measured time, each system's "
+             "floor at the bandwidth probed just before and after its run (the floor tok/s "
+             "column: at the bandwidth measured once per command).",
              "Knees (highest offered rate at which the system kept up and p99 E2E stayed "
              "within 2x its lowest-rate value):", knee_table(cells)]
     aims = aim_table(cells)

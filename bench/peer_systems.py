@@ -275,8 +275,7 @@ def run_vllm(model_dir: Path, runs: Sequence[dict], *, mode: str, workdir: Path,
              probe_bandwidth: bool = False) -> dict:
     """Run bench/peers/vllm_peer.py on `runs` ([{"name", "requests": [BenchRequest],
     "arrivals": [s] | None, "max_concurrency"}]) in `dtype` (None: `vllm_dtype`'s
-    choice); returns its JSON, or {"skipped": why}. With `probe_bandwidth` (offline mode),
-    each run's JSON has the memory's bandwidth probed just before and after it
+    choice); returns its JSON, or {"skipped": why}. With `probe_bandwidth`, each run's JSON has the memory's bandwidth probed just before and after it
     (`bandwidth_probes`, bytes/s; bench/bandwidth_probe.py)."""
     why = vllm_available(python)
     if why:
@@ -340,13 +339,13 @@ def vllm_summary(result: dict, run_index: int, requests: Sequence[BenchRequest],
     run = result["runs"][run_index]
     base = {"config": result["config"], "vllm": result.get("vllm"),
             "load_s": result.get("load_s")}
+    if run.get("bandwidth_probes"):
+        base["bandwidth_probes"] = run["bandwidth_probes"]
     if result["mode"] == "serve":
         res = results_from_times(run["requests"], [r.prompt_len for r in requests],
                                  [r.output_len for r in requests])
         return {**summarize(res, slo), **base}
     d = run["duration_s"]
-    if run.get("bandwidth_probes"):
-        base["bandwidth_probes"] = run["bandwidth_probes"]
     return {**base, "completed": len(requests), "duration_s": d,
             "input_tokens": sum(r.prompt_len for r in requests),
             "output_tokens": run["output_tokens"], "request_throughput": len(requests) / d,

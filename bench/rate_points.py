@@ -6,7 +6,7 @@ them: how `bench matrix` finds where a system stops keeping up, shared with `ben
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 from bench.stats import Slo
 from bench.workload import BenchRequest, TraceItem, arrivals, build_workload_requests
@@ -62,7 +62,8 @@ def past_knee(points: Sequence[dict], system: str = "seqserve") -> bool:
 def run_rate_points(target, tokenizer, name: str, items: Sequence[TraceItem],
                     requests: Sequence[BenchRequest], fractions: Sequence[float], *,
                     seed: int, block_tokens: int, slo: Slo | None,
-                    stop_past_knee: bool = False) -> tuple[float, list[dict]]:
+                    stop_past_knee: bool = False,
+                    probe: Callable[[], float] | None = None) -> tuple[float, list[dict]]:
     """`requests` all at once on `target`, then Poisson points at `fractions` of that run's
     request rate. Returns (that rate, the points: label, rate, fraction, requests, offsets,
     realized_rate and the run's summary under "seqserve").
@@ -70,8 +71,18 @@ def run_rate_points(target, tokenizer, name: str, items: Sequence[TraceItem],
     Each point's prompts have a seed of their own (seed + 1 + i), so no point is served
     from a prefix cache an earlier one filled; one arrival seed for all points, so they
     differ in load only. `stop_past_knee`: stop after the first point that fails the knee
-    rule (ascending fractions; the knee is the same, the higher points are not run)."""
-    cap = target.run(requests, slo=slo)
+    rule (ascending fractions; the knee is the same, the higher points are not run).
+    `probe` (bytes/s): the memory's bandwidth probed just before and after each run
+    (`bandwidth_probes` in its summary), for that run's floor."""
+
+    def run(*args, **kwargs) -> dict:
+        before = probe() if probe else None
+        summary = target.run(*args, **kwargs)
+        if probe:
+            summary["bandwidth_probes"] = [before, probe()]
+        return summary
+
+    cap = run(requests, slo=slo)
     base = cap["request_throughput"]
     points = [{"label": "all at once", "rate": None, "requests": list(requests),
                "offsets": [0.0] * len(requests), "seqserve": cap}]
@@ -83,7 +94,7 @@ def run_rate_points(target, tokenizer, name: str, items: Sequence[TraceItem],
         points.append({"label": f"Poisson {rate:g}/s ({fr:g}x)", "rate": rate,
                        "fraction": fr, "requests": reqs, "offsets": offs,
                        "realized_rate": realized_rate(offs),
-                       "seqserve": target.run(reqs, offs, None, slo)})
+                       "seqserve": run(reqs, offs, None, slo)})
         if stop_past_knee and past_knee(points):
             break
     return base, points

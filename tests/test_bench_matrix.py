@@ -166,6 +166,14 @@ def test_ratio_rows_set_seqserve_against_each_system_and_the_floor():
     row2 = ratio_row(cell, cell["points"][1])
     assert row2[4:7] == ["n/a", "n/a", "50 / n/a"]
     assert row2[11] == "40% / n/a"
+    # a system whose run was probed is set against its own floor; the others the point's
+    point = {**cell["points"][0], "floor": {
+        "duration_s": 1.0, "output_throughput": 1000.0,
+        "by_system": {"seqserve": {"duration_s": 1.5, "probes": [4e10, 6e10],
+                                   "bandwidth": 5e10}}}}
+    assert floor_fraction(point, "seqserve") == 0.75
+    assert floor_fraction(point, "vllm") == 0.25
+    assert ratio_row(cell, point)[11] == "75% / 25%"
 
 
 def test_knee_table_and_markdown_carry_commit_load_and_skips():

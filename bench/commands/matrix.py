@@ -4,14 +4,16 @@ ratio table (`make bench`).
 
 Per model, in this order, so nothing else computes while a system is measured:
 1. the machine's rates at the model's shapes (bench/machine_rates.py; the memory bandwidth
-   once per command);
+   once per command, and again just before and after every system's run: the host's
+   bandwidth moves within seconds, so each run's floor is charged at its own probes);
 2. one seqserve deployment: for each trace, all requests at once, then Poisson points at
    --rate-fractions of that run's request rate (each point with prompts of its own seed, so
    no point is served from a cache an earlier one filled; one arrival seed for all points);
 3. one vLLM subprocess (AsyncLLM, streaming) running the same points on the same token ids;
 4. the HF baselines (static batches, transformers continuous batching) in process, all at
    once only;
-5. every point's floor (bench/floor.py), from its token ids and arrival times.
+5. every point's floor (bench/floor.py), from its token ids and arrival times: at the
+   bandwidth measured once, and for each system at the mean of its run's probes.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import argparse
 import json
 import logging
 import math
+from dataclasses import replace
 from pathlib import Path
 
-from bench.commands.common import (prepare, selected_peers, server_options, slo_limits,
-                                   vllm_kwargs, without_per_request)
+from bench.commands.common import (bandwidth_now, prepare, probed, selected_peers,
+                                   server_options, slo_limits, vllm_kwargs,
+                                   without_per_request)
 from bench.env import environment, uptime
 from bench.floor import ModelShape, run_floor
 from bench.loadgen import SeqserveTarget
@@ -39,6 +43,7 @@ logger = logging.getLogger("seqserve.bench")
 
 MATRIX_TRACES = ("azure-conv", "azure-code", "mooncake")
 MATRIX_FRACTIONS = (0.5, 0.75, 0.9, 1.1)
+SYSTEMS = ("seqserve", "vllm", "hf", "hf-cb")
 QUICK = {"models": ("tiny",), "fractions": (0.5, 1.1), "num_requests": 4, "max_prompt": 64,
          "max_output": 8, "kv_cache_bytes": 256 << 20, "vllm_kv_gib": 1}
 
@@ -75,7 +80,8 @@ def _run_seqserve(args, model_dir: Path, traces: dict, slo) -> None:
             logger.info("matrix: seqserve %s, %s", model_dir.name, name)
             t["offline_request_rate"], t["points"] = run_rate_points(
                 target, tokenizer, name, t["items"], t["requests"], args.rate_fractions,
-                seed=args.seed, block_tokens=args.mooncake_block, slo=slo)
+                seed=args.seed, block_tokens=args.mooncake_block, slo=slo,
+                probe=None if args.no_floor else bandwidth_now)
 
 
 def _run_vllm(args, model_dir: Path, traces: dict, slo) -> str | None:
@@ -84,7 +90,7 @@ def _run_vllm(args, model_dir: Path, traces: dict, slo) -> str | None:
     raw = run_vllm(model_dir, [{"name": f"{name} {p['label']}", "requests": p["requests"],
                                 "arrivals": p["offsets"]} for name, p in flat],
                    mode="serve", workdir=Path(args.out) / "logs" / "matrix" / model_dir.name,
-                   **vllm_kwargs(args))
+                   probe_bandwidth=not args.no_floor, **vllm_kwargs(args))
     if "skipped" in raw:
         return raw["skipped"]
     for i, (_, p) in enumerate(flat):
@@ -93,15 +99,18 @@ def _run_vllm(args, model_dir: Path, traces: dict, slo) -> str | None:
 
 
 def _run_hf(args, model_dir: Path, traces: dict, peers: list[str], slo) -> None:
+    around = (lambda fn: fn()) if args.no_floor else probed
     for name, t in traces.items():
         p = t["points"][0]
         if "hf" in peers:
-            p["hf"] = bench_hf(model_dir, t["requests"], batch_size=args.hf_batch_size,
-                               threads=args.hf_threads, device=args.device)
+            p["hf"] = around(lambda: bench_hf(model_dir, t["requests"],
+                                              batch_size=args.hf_batch_size,
+                                              threads=args.hf_threads, device=args.device))
         if "hf-cb" in peers:
             try:
-                p["hf-cb"] = bench_hf_cb(model_dir, t["requests"], threads=args.hf_threads,
-                                         device=args.device, slo=slo)
+                p["hf-cb"] = around(lambda: bench_hf_cb(model_dir, t["requests"],
+                                                        threads=args.hf_threads,
+                                                        device=args.device, slo=slo))
             except Exception as exc:  # noqa: BLE001 - a peer's failure is reported, not fatal
                 logger.exception("transformers continuous batching failed on %s", name)
                 p["hf-cb"] = {"skipped": f"transformers continuous batching failed: {exc!r}"}
@@ -111,10 +120,21 @@ def _cell(model: str, model_dir: Path, name: str, t: dict, floor_of) -> dict:
     points = []
     for p in t["points"]:
         floor = floor_of(p)
+        if floor is not None:
+            floor = floor.as_dict()
+            # each system's run against the floor at the bandwidth probed around it
+            floor["by_system"] = {}
+            for system in SYSTEMS:
+                probes = (p.get(system) or {}).get("bandwidth_probes")
+                if probes:
+                    bandwidth = sum(probes) / len(probes)
+                    floor["by_system"][system] = {
+                        "bandwidth": bandwidth, "probes": probes,
+                        "duration_s": floor_of(p, bandwidth).duration_s}
         out = {"label": p["label"], "rate": p["rate"], "fraction": p.get("fraction"),
                "realized_rate": p.get("realized_rate"), "arrival_span_s": max(p["offsets"]),
-               "floor": floor.as_dict() if floor else None}
-        for system in ("seqserve", "vllm", "hf", "hf-cb"):
+               "floor": floor}
+        for system in SYSTEMS:
             if system in p:
                 out[system] = without_per_request(p[system])
                 out[f"{system}_per_request"] = p[system].get("per_request")
@@ -146,10 +166,11 @@ def run_model(args, model: str, bandwidth: dict, known, peers: list[str], slo):
     skipped = _run_vllm(args, model_dir, traces, slo) if "vllm" in peers else None
     _run_hf(args, model_dir, traces, peers, slo)
 
-    def floor_of(p: dict):
+    def floor_of(p: dict, bandwidth: float | None = None):
         if rates is None:
             return None
-        return run_floor(shape, rates, [r.prompt_ids for r in p["requests"]],
+        at = rates if bandwidth is None else replace(rates, bandwidth=bandwidth)
+        return run_floor(shape, at, [r.prompt_ids for r in p["requests"]],
                          [r.output_len for r in p["requests"]], p["offsets"],
                          args.max_rolling_batch_size)
 

@@ -13,11 +13,11 @@ the call's. serve: `AsyncLLM.generate` per request, each sent at its arrival_s (
 max_concurrency in flight), streaming deltas; every token's arrival time is recorded, so the
 harness computes TTFT / TPOT / ITL with the same code as for seqserve. A short request warms
 the engine up first. KV memory is $VLLM_CPU_KVCACHE_SPACE GiB (the harness sets it).
-With probe_bandwidth (offline), the memory's bandwidth is probed just before and after each
-run, the engine idle (the run's "bandwidth_probes", bytes/s: the harness's floor of the run).
+With probe_bandwidth, the memory's bandwidth is probed just before and after each run, the
+engine idle (the run's "bandwidth_probes", bytes/s: the harness's floor of the run).
 
 RESULT: {"vllm": version, "torch": version, "mode", "load_s", "env": {...},
-         "runs": [{"name", "duration_s", "output_tokens", "bandwidth_probes" (offline, if asked),
+         "runs": [{"name", "duration_s", "output_tokens", "bandwidth_probes" (if asked),
                    "requests": [{"send": s, "token_times": [s], "end": s}]}]}
 (times are seconds from time.perf_counter in this process; offline runs have no per-token times)
 """
@@ -129,6 +129,7 @@ async def _serve(spec: dict) -> dict:
         for run in spec["runs"]:
             cap = run.get("max_concurrency")
             sem = asyncio.Semaphore(cap) if cap else None
+            before = _bandwidth() if spec.get("probe_bandwidth") else None
             t0 = time.perf_counter()
 
             async def timed(r: dict) -> dict:
@@ -145,6 +146,8 @@ async def _serve(spec: dict) -> dict:
                          "duration_s": max(x["end"] for x in rows) - min(x["send"] for x in rows),
                          "output_tokens": sum(len(x["token_times"]) for x in rows),
                          "requests": rows})
+            if before is not None:
+                runs[-1]["bandwidth_probes"] = [before, _bandwidth()]
     finally:
         engine.shutdown()
     return {"load_s": load_s, "runs": runs}
