@@ -140,9 +140,11 @@ def bandwidth_now() -> float:
     return probe(threads=0)["bandwidth"]
 
 
-def probed(fn: Callable[[], dict]) -> dict:
-    """`fn()`'s result (an in-process peer's run) with the bandwidth probed just before and
-    just after it (`bandwidth_probes`), unless it was skipped."""
+def probed(fn: Callable[[], dict], probe: bool = True) -> dict:
+    """`fn()`'s result (an in-process peer's run), with `probe` the bandwidth probed just
+    before and just after it (`bandwidth_probes`) unless it was skipped."""
+    if not probe:
+        return fn()
     before = bandwidth_now()
     result = fn()
     if "skipped" not in result:
@@ -191,7 +193,8 @@ def offline_floor(args, model_dir: Path, requests: Sequence[BenchRequest],
         probes = summary.get("bandwidth_probes")
         if probes:
             bandwidth = sum(probes) / len(probes)
+            own = floor_at(replace(rates, bandwidth=bandwidth))
             by_system[name] = {"bandwidth": bandwidth, "probes": probes,
-                               "duration_s": floor_at(replace(rates, bandwidth=bandwidth)).duration_s}
+                               "duration_s": own.duration_s}
     return {**run.as_dict(), "bandwidth": rates.bandwidth, "by_system": by_system,
             "gemm_gflops": {k: [(m, r / 1e9) for m, r in pts] for k, pts in rates.gemm.items()}}

@@ -71,7 +71,8 @@ def _run_seqserve(args, model_dir: Path, traces: dict, slo) -> None:
     """One deployment: every trace all at once, then its Poisson points."""
     tokenizer = next(iter(traces.values()))["tokenizer"]
     target = SeqserveTarget(model_dir, tokenizer, logdir=Path(args.out) / "logs" / "matrix",
-                            dtype=next(iter(traces.values()))["meta"]["dtype"], device=args.device, max_sparsity=args.max_sparsity,
+                            dtype=next(iter(traces.values()))["meta"]["dtype"],
+                            device=args.device, max_sparsity=args.max_sparsity,
                             max_splits=args.max_splits,
                             max_rolling_batch_size=args.max_rolling_batch_size,
                             server_options=server_options(args))
@@ -99,18 +100,20 @@ def _run_vllm(args, model_dir: Path, traces: dict, slo) -> str | None:
 
 
 def _run_hf(args, model_dir: Path, traces: dict, peers: list[str], slo) -> None:
-    around = (lambda fn: fn()) if args.no_floor else probed
+    probe = not args.no_floor
     for name, t in traces.items():
         p = t["points"][0]
         if "hf" in peers:
-            p["hf"] = around(lambda: bench_hf(model_dir, t["requests"],
+            p["hf"] = probed(lambda: bench_hf(model_dir, t["requests"],
                                               batch_size=args.hf_batch_size,
-                                              threads=args.hf_threads, device=args.device))
+                                              threads=args.hf_threads, device=args.device),
+                             probe)
         if "hf-cb" in peers:
             try:
-                p["hf-cb"] = around(lambda: bench_hf_cb(model_dir, t["requests"],
+                p["hf-cb"] = probed(lambda: bench_hf_cb(model_dir, t["requests"],
                                                         threads=args.hf_threads,
-                                                        device=args.device, slo=slo))
+                                                        device=args.device, slo=slo),
+                                    probe)
             except Exception as exc:  # noqa: BLE001 - a peer's failure is reported, not fatal
                 logger.exception("transformers continuous batching failed on %s", name)
                 p["hf-cb"] = {"skipped": f"transformers continuous batching failed: {exc!r}"}

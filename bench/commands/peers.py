@@ -26,17 +26,18 @@ def run(args, prepared=None) -> dict:
     probe = not args.no_floor
     seq = result["seqserve"] = run_seqserve_offline(args, model_dir, requests, tokenizer, meta,
                                                     "peers", slo, probe_bandwidth=probe)
-    around = probed if probe else (lambda fn: fn())
     systems: dict[str, dict] = {}
     if "hf" in peers:
-        systems["hf"] = around(lambda: bench_hf(model_dir, requests,
+        systems["hf"] = probed(lambda: bench_hf(model_dir, requests,
                                                 batch_size=args.hf_batch_size,
-                                                threads=args.hf_threads, device=args.device))
+                                                threads=args.hf_threads, device=args.device),
+                               probe)
     if "hf-cb" in peers:
         try:
-            systems["hf-cb"] = around(lambda: bench_hf_cb(model_dir, requests,
+            systems["hf-cb"] = probed(lambda: bench_hf_cb(model_dir, requests,
                                                           threads=args.hf_threads,
-                                                          device=args.device, slo=slo))
+                                                          device=args.device, slo=slo),
+                                      probe)
         except Exception as exc:  # noqa: BLE001 - a peer's failure is reported, not fatal
             logger.exception("transformers continuous batching failed")
             systems["hf-cb"] = {"skipped": f"transformers continuous batching failed: {exc!r}"}
