@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Callable
 
 
 def _cores() -> int:
@@ -54,3 +55,21 @@ def probe(size_mib: int = 256, repeats: int = 5, threads: int | None = None) -> 
            "read_bytes_per_s": nbytes / sum_s}
     out["bandwidth"] = max(out["copy_bytes_per_s"], out["read_bytes_per_s"])
     return out
+
+
+def bandwidth_now() -> float:
+    """The memory's bandwidth now, bytes/s, on every core."""
+    return probe(threads=0)["bandwidth"]
+
+
+def probed(fn: Callable[[], dict], measure: Callable[[], float] | None) -> dict:
+    """`fn()`'s result (a run's summary) with the bandwidth `measure` gives (bytes/s) just
+    before and just after it, in `bandwidth_probes`, unless the run was skipped; `fn()`
+    alone where `measure` is None."""
+    if measure is None:
+        return fn()
+    before = measure()
+    result = fn()
+    if "skipped" not in result:
+        result["bandwidth_probes"] = [before, measure()]
+    return result

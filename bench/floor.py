@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 PREFIX_BLOCK = 16  # tokens per block of the ideal prefix cache (vLLM's block size)
@@ -286,6 +286,21 @@ def run_floor(shape: ModelShape, rates: MachineRates, prompts: Sequence[Sequence
     reqs = [FloorRequest(a, len(p), o, c)
             for p, o, a, c in zip(prompts, output_lens, arrivals, cached)]
     return simulate(shape, rates, reqs, max_batch)
+
+
+def floors_by_system(runs: Mapping[str, dict],
+                     floor_at: Callable[[float], FloorRun]) -> dict[str, dict]:
+    """For each of `runs` (system -> its run's summary) with `bandwidth_probes`, its own
+    floor: `floor_at` the mean of its probes (bytes/s), the host's bandwidth moving
+    between runs minutes apart (bench/bandwidth_probe.py)."""
+    own = {}
+    for name, summary in runs.items():
+        probes = (summary or {}).get("bandwidth_probes")
+        if probes:
+            bandwidth = sum(probes) / len(probes)
+            own[name] = {"bandwidth": bandwidth, "probes": probes,
+                         "duration_s": floor_at(bandwidth).duration_s}
+    return own
 
 
 def fraction_of_floor(floor_s: float, measured_s: float | None) -> float:

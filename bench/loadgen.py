@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+from bench.bandwidth_probe import probed
 from bench.deployment import Deployment, flags
 from bench.metrics import GaugePeak, scrape, server_metrics, worker_metrics
 from bench.profiling import Profiler
@@ -237,10 +238,7 @@ def bench_seqserve(model_dir: Path, requests: Sequence[BenchRequest], tokenizer,
                         max_rolling_batch_size=max_rolling_batch_size,
                         worker_options=worker_options, poll_interval=poll_interval,
                         server_options=server_options) as target:
-        before = bandwidth_probe() if bandwidth_probe else None
-        summary = target.run(requests, slo=slo)
-        if bandwidth_probe:
-            summary["bandwidth_probes"] = [before, bandwidth_probe()]
+        summary = probed(lambda: target.run(requests, slo=slo), bandwidth_probe)
         if profile_dir is not None:
             profiled = target.run(fresh_prompts(tokenizer, requests), profile_dir=profile_dir)
             summary["profile"] = profiled["profile"]

@@ -13,7 +13,7 @@ bandwidth.
 
 Bandwidth: the fastest of `repeats` passes over a `size_mib` buffer, two ways, the faster
 counting: a copy (bytes read + written) and a float32 sum (bytes read); it moves with the
-host's load, so `bench peers` also probes it around each system's run
+host's load, so `bench peers` and `bench matrix` also probe it around each system's run
 (bench/bandwidth_probe.py).
 """
 

@@ -275,8 +275,9 @@ def run_vllm(model_dir: Path, runs: Sequence[dict], *, mode: str, workdir: Path,
              probe_bandwidth: bool = False) -> dict:
     """Run bench/peers/vllm_peer.py on `runs` ([{"name", "requests": [BenchRequest],
     "arrivals": [s] | None, "max_concurrency"}]) in `dtype` (None: `vllm_dtype`'s
-    choice); returns its JSON, or {"skipped": why}. With `probe_bandwidth`, each run's JSON has the memory's bandwidth probed just before and after it
-    (`bandwidth_probes`, bytes/s; bench/bandwidth_probe.py)."""
+    choice); returns its JSON, or {"skipped": why}. With `probe_bandwidth`, each run's JSON
+    has the memory's bandwidth probed just before and after it (`bandwidth_probes`,
+    bytes/s; bench/bandwidth_probe.py)."""
     why = vllm_available(python)
     if why:
         logger.warning("%s", why)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Sequence
 
+from bench.bandwidth_probe import probed
 from bench.stats import Slo
 from bench.workload import BenchRequest, TraceItem, arrivals, build_workload_requests
 
@@ -76,11 +77,7 @@ def run_rate_points(target, tokenizer, name: str, items: Sequence[TraceItem],
     (`bandwidth_probes` in its summary), for that run's floor."""
 
     def run(*args, **kwargs) -> dict:
-        before = probe() if probe else None
-        summary = target.run(*args, **kwargs)
-        if probe:
-            summary["bandwidth_probes"] = [before, probe()]
-        return summary
+        return probed(lambda: target.run(*args, **kwargs), probe)
 
     cap = run(requests, slo=slo)
     base = cap["request_throughput"]

@@ -284,3 +284,18 @@ def test_rate_fractions_that_give_no_arrivals_stop_before_any_server_starts(frac
         ["matrix", "--rate-fractions", fractions, "--no-floor", "--peers", "none"])
     with pytest.raises(SystemExit, match="--rate-fractions wants positive fractions"):
         matrix.run(args)
+
+
+def test_each_probed_run_gets_a_floor_at_the_mean_of_its_probes():
+    from bench.bandwidth_probe import probed
+    from bench.floor import FloorRun, floors_by_system
+
+    calls = iter([4e10, 6e10])
+    run = probed(lambda: {"duration_s": 2.0}, lambda: next(calls))
+    assert run["bandwidth_probes"] == [4e10, 6e10]
+    assert "bandwidth_probes" not in probed(lambda: {"skipped": "no venv"}, lambda: 1.0)
+    assert probed(lambda: {"duration_s": 1.0}, None) == {"duration_s": 1.0}
+    own = floors_by_system({"seqserve": run, "vllm": {"duration_s": 3.0}, "hf": None},
+                           lambda bandwidth: FloorRun(duration_s=1e10 / bandwidth))
+    assert set(own) == {"seqserve"}
+    assert own["seqserve"] == {"bandwidth": 5e10, "probes": [4e10, 6e10], "duration_s": 0.2}

@@ -9,8 +9,9 @@ import shlex
 from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
+from bench.bandwidth_probe import bandwidth_now
 from bench.env import environment, model_context, model_dtype
 from bench.loadgen import bench_seqserve
 from bench.peer_systems import PEERS
@@ -133,25 +134,6 @@ def run_seqserve_offline(args, model_dir, requests, tokenizer, meta, name: str,
                           bandwidth_probe=bandwidth_now if probe_bandwidth else None)
 
 
-def bandwidth_now() -> float:
-    """The memory's bandwidth now, bytes/s, on every core (bench/bandwidth_probe.py)."""
-    from bench.bandwidth_probe import probe
-
-    return probe(threads=0)["bandwidth"]
-
-
-def probed(fn: Callable[[], dict], probe: bool = True) -> dict:
-    """`fn()`'s result (an in-process peer's run), with `probe` the bandwidth probed just
-    before and just after it (`bandwidth_probes`) unless it was skipped."""
-    if not probe:
-        return fn()
-    before = bandwidth_now()
-    result = fn()
-    if "skipped" not in result:
-        result["bandwidth_probes"] = [before, bandwidth_now()]
-    return result
-
-
 def selected_peers(args) -> list[str]:
     return [p for p in args.peers if p in PEERS]
 
@@ -177,7 +159,7 @@ def offline_floor(args, model_dir: Path, requests: Sequence[BenchRequest],
         return None
     import json
 
-    from bench.floor import ModelShape, run_floor
+    from bench.floor import ModelShape, floors_by_system, run_floor
     from bench.machine_rates import measure_model
 
     shape = ModelShape.from_config(json.loads((Path(model_dir) / "config.json").read_text()))
@@ -188,13 +170,7 @@ def offline_floor(args, model_dir: Path, requests: Sequence[BenchRequest],
                          [q.output_len for q in requests], None, args.max_rolling_batch_size)
 
     run = floor_at(rates)
-    by_system = {}
-    for name, summary in (systems or {}).items():
-        probes = summary.get("bandwidth_probes")
-        if probes:
-            bandwidth = sum(probes) / len(probes)
-            own = floor_at(replace(rates, bandwidth=bandwidth))
-            by_system[name] = {"bandwidth": bandwidth, "probes": probes,
-                               "duration_s": own.duration_s}
+    by_system = floors_by_system(systems or {},
+                                 lambda bandwidth: floor_at(replace(rates, bandwidth=bandwidth)))
     return {**run.as_dict(), "bandwidth": rates.bandwidth, "by_system": by_system,
             "gemm_gflops": {k: [(m, r / 1e9) for m, r in pts] for k, pts in rates.gemm.items()}}

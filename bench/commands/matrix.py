@@ -25,11 +25,11 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from bench.commands.common import (bandwidth_now, prepare, probed, selected_peers,
-                                   server_options, slo_limits, vllm_kwargs,
-                                   without_per_request)
+from bench.bandwidth_probe import bandwidth_now, probed
+from bench.commands.common import (prepare, selected_peers, server_options, slo_limits,
+                                   vllm_kwargs, without_per_request)
 from bench.env import environment, uptime
-from bench.floor import ModelShape, run_floor
+from bench.floor import ModelShape, floors_by_system, run_floor
 from bench.loadgen import SeqserveTarget
 from bench.machine_rates import M_GRID, QUICK_M_GRID, measure_bandwidth, measure_model
 from bench.matrix_models import MATRIX_MODELS, resolve_model
@@ -100,20 +100,20 @@ def _run_vllm(args, model_dir: Path, traces: dict, slo) -> str | None:
 
 
 def _run_hf(args, model_dir: Path, traces: dict, peers: list[str], slo) -> None:
-    probe = not args.no_floor
+    measure = None if args.no_floor else bandwidth_now
     for name, t in traces.items():
         p = t["points"][0]
         if "hf" in peers:
             p["hf"] = probed(lambda: bench_hf(model_dir, t["requests"],
                                               batch_size=args.hf_batch_size,
                                               threads=args.hf_threads, device=args.device),
-                             probe)
+                             measure)
         if "hf-cb" in peers:
             try:
                 p["hf-cb"] = probed(lambda: bench_hf_cb(model_dir, t["requests"],
                                                         threads=args.hf_threads,
                                                         device=args.device, slo=slo),
-                                    probe)
+                                    measure)
             except Exception as exc:  # noqa: BLE001 - a peer's failure is reported, not fatal
                 logger.exception("transformers continuous batching failed on %s", name)
                 p["hf-cb"] = {"skipped": f"transformers continuous batching failed: {exc!r}"}
@@ -124,16 +124,9 @@ def _cell(model: str, model_dir: Path, name: str, t: dict, floor_of) -> dict:
     for p in t["points"]:
         floor = floor_of(p)
         if floor is not None:
-            floor = floor.as_dict()
             # each system's run against the floor at the bandwidth probed around it
-            floor["by_system"] = {}
-            for system in SYSTEMS:
-                probes = (p.get(system) or {}).get("bandwidth_probes")
-                if probes:
-                    bandwidth = sum(probes) / len(probes)
-                    floor["by_system"][system] = {
-                        "bandwidth": bandwidth, "probes": probes,
-                        "duration_s": floor_of(p, bandwidth).duration_s}
+            floor = {**floor.as_dict(), "by_system": floors_by_system(
+                {s: p[s] for s in SYSTEMS if s in p}, lambda bandwidth: floor_of(p, bandwidth))}
         out = {"label": p["label"], "rate": p["rate"], "fraction": p.get("fraction"),
                "realized_rate": p.get("realized_rate"), "arrival_span_s": max(p["offsets"]),
                "floor": floor}

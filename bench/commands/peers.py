@@ -8,9 +8,9 @@ from pathlib import Path
 
 from bench.plots import plot_cdfs
 from bench.ceiling import run_ceiling
-from bench.commands.common import (logger, offline_floor, prepare, probed,
-                                   run_seqserve_offline, selected_peers, slo_limits,
-                                   vllm_kwargs)
+from bench.bandwidth_probe import bandwidth_now, probed
+from bench.commands.common import (logger, offline_floor, prepare, run_seqserve_offline,
+                                   selected_peers, slo_limits, vllm_kwargs)
 from bench.commands.throughput import throughput_report
 from bench.peer_systems import PEER_NAMES, bench_hf, bench_hf_cb, run_vllm, vllm_summary
 from bench.report import peers_markdown, ratio, write
@@ -26,18 +26,19 @@ def run(args, prepared=None) -> dict:
     probe = not args.no_floor
     seq = result["seqserve"] = run_seqserve_offline(args, model_dir, requests, tokenizer, meta,
                                                     "peers", slo, probe_bandwidth=probe)
+    measure = bandwidth_now if probe else None
     systems: dict[str, dict] = {}
     if "hf" in peers:
         systems["hf"] = probed(lambda: bench_hf(model_dir, requests,
                                                 batch_size=args.hf_batch_size,
                                                 threads=args.hf_threads, device=args.device),
-                               probe)
+                               measure)
     if "hf-cb" in peers:
         try:
             systems["hf-cb"] = probed(lambda: bench_hf_cb(model_dir, requests,
                                                           threads=args.hf_threads,
                                                           device=args.device, slo=slo),
-                                      probe)
+                                      measure)
         except Exception as exc:  # noqa: BLE001 - a peer's failure is reported, not fatal
             logger.exception("transformers continuous batching failed")
             systems["hf-cb"] = {"skipped": f"transformers continuous batching failed: {exc!r}"}

@@ -25,6 +25,7 @@ RESULT: {"vllm": version, "torch": version, "mode", "load_s", "env": {...},
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import json
 import os
@@ -79,10 +80,10 @@ def run_offline(spec: dict) -> dict:
     return {"load_s": load_s, "runs": runs}
 
 
-def _bandwidth() -> float:
-    """The memory's bandwidth now, bytes/s, probed as the harness probes it around its own
-    runs (bench/bandwidth_probe.py, loaded by its path: the bench package needs seqserve's
-    own dependencies, which this Python lacks)."""
+@functools.cache
+def _probe_module():
+    """bench/bandwidth_probe.py, loaded by its path: the bench package needs seqserve's own
+    dependencies, which this Python lacks."""
     import importlib.util
     from pathlib import Path
 
@@ -90,7 +91,13 @@ def _bandwidth() -> float:
     spec = importlib.util.spec_from_file_location("seqserve_bandwidth_probe", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.probe(threads=0)["bandwidth"]
+    return module
+
+
+def _bandwidth() -> float:
+    """The memory's bandwidth now, bytes/s, probed as the harness probes it around its own
+    runs."""
+    return _probe_module().bandwidth_now()
 
 
 def _freeze_objects() -> None:
