@@ -21,12 +21,17 @@ from bench.workload import BenchRequest, make_prompt, round_trip_tokens
 logger = logging.getLogger("seqserve.bench")
 
 
-async def _stream_one(client, req: BenchRequest) -> RequestResult:
+def _params(req: BenchRequest) -> dict:
     params = dict(max_new_tokens=req.output_len, ignore_eos=True)
     if req.cached_prompt:
         params["cached_prompt"] = req.cached_prompt
     if req.priority:
         params["priority"] = req.priority
+    return params
+
+
+async def _stream_one(client, req: BenchRequest) -> RequestResult:
+    params = _params(req)
     res = RequestResult(req.index, req.prompt_len, req.output_len, time.perf_counter())
     async for chunk in client.stream(req.prompt, **params):
         now = time.perf_counter()
@@ -41,22 +46,44 @@ async def _stream_one(client, req: BenchRequest) -> RequestResult:
     return res
 
 
+async def _unary_one(client, req: BenchRequest) -> RequestResult:
+    """One GenerateUnary call, as client/offline.py makes them: every token at the end."""
+    from client.api import FINISH_REASONS, build_request
+
+    res = RequestResult(req.index, req.prompt_len, req.output_len, time.perf_counter(),
+                        streamed=False)
+    reply = await client.stub.GenerateUnary(build_request(req.prompt, **_params(req)),
+                                            timeout=client.timeout, metadata=client.metadata)
+    res.end = time.perf_counter()
+    if len(reply.tokens) != reply.usage.generated_tokens:
+        raise RuntimeError(f"request {req.index}: the reply holds {len(reply.tokens)} tokens "
+                           f"but counts {reply.usage.generated_tokens}")
+    res.finish_reason = FINISH_REASONS[reply.finish_reason]
+    res.generated = reply.usage.generated_tokens
+    res.prompt_tokens = reply.usage.prompt_tokens
+    res.cached_tokens = reply.usage.cached_tokens
+    return res
+
+
 def check_results(results: Sequence[RequestResult]) -> None:
     for r in results:
-        if (len(r.token_times) != r.output_len or r.generated != r.output_len
+        if (r.tokens_received != r.output_len or r.generated != r.output_len
                 or r.prompt_tokens != r.prompt_len):
             raise RuntimeError(
                 f"request {r.index}: asked for {r.output_len} tokens after {r.prompt_len}, got "
-                f"{len(r.token_times)} streamed, {r.generated} counted, prompt {r.prompt_tokens}"
+                f"{r.tokens_received} {'streamed' if r.streamed else 'returned'}, {r.generated} counted, prompt {r.prompt_tokens}"
                 f" tokens (finish {r.finish_reason})")
 
 
 async def send_requests(address: str, requests: Sequence[BenchRequest],
                         offsets: Sequence[float] | None = None,
-                        max_concurrency: int | None = None) -> list[RequestResult]:
+                        max_concurrency: int | None = None, stream: bool = True
+                        ) -> list[RequestResult]:
     """Send request i at `offsets[i]` seconds after the start (all at once when None), at most
     `max_concurrency` in flight (a request waiting for a slot is not yet sent: its TTFT starts
-    when it is, as in vLLM's benchmark), on one channel; wait for all."""
+    when it is, as in vLLM's benchmark), on one channel; wait for all. `stream=False` sends
+    GenerateUnary calls: no per-token times, and no per-token messages for the client to
+    read on the server's cores."""
     from client.api import AsyncClient
     from seqserve_common.startup_gc import freeze_startup_objects
 
@@ -72,14 +99,16 @@ async def send_requests(address: str, requests: Sequence[BenchRequest],
         await client.channel.channel_ready()
         t0 = time.perf_counter()
 
+        send = _stream_one if stream else _unary_one
+
         async def one(req: BenchRequest, offset: float) -> RequestResult:
             delay = t0 + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             if sem is None:
-                return await _stream_one(client, req)
+                return await send(client, req)
             async with sem:
-                return await _stream_one(client, req)
+                return await send(client, req)
 
         results = await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets)))
     check_results(results)
@@ -172,7 +201,8 @@ class SeqserveTarget:
 
     def run(self, requests: Sequence[BenchRequest], offsets: Sequence[float] | None = None,
             max_concurrency: int | None = None, slo: Slo | None = None,
-            sequential: bool = False, profile_dir: Path | None = None) -> dict:
+            sequential: bool = False, profile_dir: Path | None = None,
+            stream: bool = True) -> dict:
         profiler = (Profiler(self.deployment, profile_dir)
                     if profile_dir is not None and self.deployment else None)
         if profiler:
@@ -188,7 +218,7 @@ class SeqserveTarget:
                 results = asyncio.run(send_sequential(self.address, requests))
             else:
                 results = asyncio.run(send_requests(self.address, requests, offsets,
-                                                    max_concurrency))
+                                                    max_concurrency, stream))
         finally:
             if peak:
                 peak.__exit__()
@@ -225,8 +255,10 @@ def bench_seqserve(model_dir: Path, requests: Sequence[BenchRequest], tokenizer,
                    logdir: Path, dtype: str, device: str, poll_interval: float = 0.1,
                    worker_options: dict | None = None, slo: Slo | None = None,
                    profile_dir: Path | None = None, server_options: dict | None = None,
-                   bandwidth_probe: Callable[[], float] | None = None) -> dict:
-    """Start a deployment, warm it up with one short request, run `requests` at once, stop it.
+                   bandwidth_probe: Callable[[], float] | None = None,
+                   stream: bool = True) -> dict:
+    """Start a deployment, warm it up with one short request, run `requests` at once (as
+    GenerateUnary calls with `stream=False`), stop it.
 
     With `profile_dir`, a second run of the same shape (fresh prompts) follows with py-spy
     sampling both processes; only its profile is kept (sampling costs CPU, so the measured
@@ -238,15 +270,16 @@ def bench_seqserve(model_dir: Path, requests: Sequence[BenchRequest], tokenizer,
                         max_rolling_batch_size=max_rolling_batch_size,
                         worker_options=worker_options, poll_interval=poll_interval,
                         server_options=server_options) as target:
-        summary = probed(lambda: target.run(requests, slo=slo), bandwidth_probe)
+        summary = probed(lambda: target.run(requests, slo=slo, stream=stream), bandwidth_probe)
         if profile_dir is not None:
             profiled = target.run(fresh_prompts(tokenizer, requests), profile_dir=profile_dir)
             summary["profile"] = profiled["profile"]
             summary["profile"]["run"] = {"duration_s": profiled["duration_s"],
                                          "output_throughput": profiled["output_throughput"]}
     s = summary["server"]
-    logger.info("seqserve %s: %.1f output tokens/s in %.2f s (peak padded KV slots %g, mean "
-                "splits %.2f, mean sparsity %.3f)", summary["config"], summary["output_throughput"],
+    logger.info("seqserve %s%s: %.1f output tokens/s in %.2f s (peak padded KV slots %g, mean "
+                "splits %.2f, mean sparsity %.3f)", summary["config"],
+                "" if stream else " (not streamed)", summary["output_throughput"],
                 summary["duration_s"], s["peak_kv_padded_slots"], s["mean_batch_splits"],
                 s["mean_batch_sparsity"])
     return summary

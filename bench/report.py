@@ -186,21 +186,40 @@ def spread(values: Sequence[int]) -> str:
     return str(lo) if lo == hi else f"{lo}..{hi}"
 
 
+NOT_STREAMED = "seqserve, not streamed"
+
+
 def peers_markdown(result: dict) -> str:
     meta, seq = result["workload"], result["seqserve"]
-    rows = [["seqserve", f(seq["duration_s"], 2), seq["output_tokens"],
-             f(seq["output_throughput"]), "1.00"]]
+    unary = result.get("seqserve_not_streamed")
+    header = ["system", "duration s", "output tokens", "output tokens/s", "seqserve / system"]
+
+    def row(name: str, s: dict, vs_streamed: str, vs_unary: str) -> list:
+        cells = [name, f(s["duration_s"], 2), s["output_tokens"], f(s["output_throughput"]),
+                 vs_streamed]
+        return cells + [vs_unary] if unary else cells
+
+    rows = [row("seqserve", seq, "1.00", f(ratio(unary["output_throughput"],
+                                                 seq["output_throughput"]), 2) if unary else "")]
+    if unary:
+        header.append("seqserve not streamed / system")
+        rows.append(row(NOT_STREAMED, unary, f(ratio(seq["output_throughput"],
+                                                    unary["output_throughput"]), 2), "1.00"))
     notes = []
     for name, s in result["peers"].items():
         if "skipped" in s:
             notes.append(f"- {PEER_NAMES[name]}: {s['skipped']}")
-            rows.append([PEER_NAMES[name], "skipped", "", "", ""])
+            rows.append([PEER_NAMES[name], "skipped", "", "", ""] + ([""] if unary else []))
             continue
-        rows.append([PEER_NAMES[name], f(s["duration_s"], 2), s["output_tokens"],
-                     f(s["output_throughput"]), f(result["ratios"][name], 2)])
+        rows.append(row(PEER_NAMES[name], s, f(result["ratios"][name], 2),
+                        f(result.get("ratios_not_streamed", {}).get(name), 2)))
     parts = ["## seqserve and its peers, all requests at once", workload_line(meta),
-             md_table(["system", "duration s", "output tokens", "output tokens/s",
-                       "seqserve / system"], rows)]
+             md_table(header, rows)]
+    if unary:
+        parts.append(f"seqserve streams every token to its request's client; {NOT_STREAMED} "
+                     "is the same requests as GenerateUnary calls (client/offline.py's way) "
+                     "on a fresh deployment, the like of vLLM's offline `generate` and the HF "
+                     "baselines, which do not stream either.")
     parts += notes
     lat = [["seqserve", *r] for r in latency_rows(seq)]
     for name, s in result["peers"].items():
@@ -216,7 +235,8 @@ def peers_markdown(result: dict) -> str:
         fl = result["floor"]
 
         def name(k: str) -> str:
-            return "seqserve" if k == "seqserve" else PEER_NAMES[k]
+            return {"seqserve": "seqserve", "seqserve_not_streamed": NOT_STREAMED}.get(
+                k) or PEER_NAMES[k]
 
         own = fl.get("by_system") or {}
         shares = ", ".join(f"{name(k)} {100 * v:.0f}%" for k, v in fl["fraction"].items())

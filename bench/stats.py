@@ -45,6 +45,12 @@ class RequestResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
+    # False: a GenerateUnary call, whose tokens all came at `end` (no per-token times).
+    streamed: bool = True
+
+    @property
+    def tokens_received(self) -> int:
+        return len(self.token_times) if self.streamed else self.generated
 
     @property
     def ttft(self) -> float:
@@ -100,14 +106,17 @@ def goodput(per_request: Sequence[dict], duration_s: float, slo: Slo) -> dict:
 
 
 def summarize(results: Sequence[RequestResult], slo: Slo | None = None) -> dict:
-    """vLLM benchmark_serving's summary of one run."""
+    """vLLM benchmark_serving's summary of one run. Requests that were not streamed count
+    in the throughput and E2E only (no TTFT, TPOT or ITL: their tokens came at once)."""
     start = min(r.send for r in results)
     duration = max(r.end for r in results) - start
-    out_tokens = sum(len(r.token_times) for r in results)
+    out_tokens = sum(r.tokens_received for r in results)
     in_tokens = sum(r.prompt_len for r in results)
+    streamed = [r for r in results if r.streamed]
     per_request = [{"index": r.index, "prompt_len": r.prompt_len, "output_len": r.output_len,
-                    "send_s": r.send - start, "ttft_s": r.ttft, "e2e_s": r.e2e,
-                    "tpot_s": r.tpot, "cached_tokens": r.cached_tokens} for r in results]
+                    "send_s": r.send - start, "ttft_s": r.ttft if r.streamed else None,
+                    "e2e_s": r.e2e, "tpot_s": r.tpot if r.streamed else None,
+                    "cached_tokens": r.cached_tokens} for r in results]
     summary = {
         "completed": len(results),
         "duration_s": duration,
@@ -117,12 +126,14 @@ def summarize(results: Sequence[RequestResult], slo: Slo | None = None) -> dict:
         "request_throughput": len(results) / duration,
         "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
-        "ttft": latency_stats([r.ttft for r in results]),
-        "tpot": latency_stats([t for r in results if (t := r.tpot) is not None]),
-        "itl": latency_stats([x for r in results for x in r.itls]),
-        "e2e": latency_stats([r.e2e for r in results]),
-        "per_request": per_request,
     }
+    if streamed:
+        summary.update({
+            "ttft": latency_stats([r.ttft for r in streamed]),
+            "tpot": latency_stats([t for r in streamed if (t := r.tpot) is not None]),
+            "itl": latency_stats([x for r in streamed for x in r.itls])})
+    summary["e2e"] = latency_stats([r.e2e for r in results])
+    summary["per_request"] = per_request
     if slo:
         summary["goodput"] = goodput(per_request, duration, slo)
     return summary

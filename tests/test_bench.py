@@ -8,6 +8,7 @@ import random
 import pytest
 
 import bench
+from bench.loadgen import check_results
 from tests.conftest import tiny_model
 
 
@@ -164,6 +165,21 @@ def test_summary_uses_vllm_definitions():
     assert set(s["e2e"]) == {"mean_ms", "median_ms", "p90_ms", "p99_ms"}
 
 
+def test_a_run_of_unary_calls_counts_returned_tokens_and_has_no_token_latencies():
+    unary = [bench.RequestResult(0, 10, 3, 1.0, end=2.0, generated=3, prompt_tokens=10,
+                                 streamed=False),
+             bench.RequestResult(1, 5, 1, 1.0, end=1.5, generated=1, prompt_tokens=5,
+                                 streamed=False)]
+    s = bench.summarize(unary)
+    assert s["output_tokens"] == 4 and s["output_throughput"] == 4.0
+    assert not {"ttft", "tpot", "itl"} & set(s) and s["e2e"]["mean_ms"] == pytest.approx(750)
+    assert s["per_request"][0]["ttft_s"] is None
+    check_results(unary)
+    unary[0].generated = 2  # a reply one token short
+    with pytest.raises(RuntimeError, match="asked for 3 tokens after 10, got 2 returned"):
+        check_results(unary)
+
+
 def test_knee_is_the_last_rate_that_keeps_up():
     def pt(rate, achieved, p99):
         # 64 requests arriving over 64/rate s, mean e2e 0.5 s.
@@ -271,15 +287,22 @@ def test_serve_prefix_and_peers_end_to_end(tmp_path):
     assert peers["peers"]["hf"]["output_tokens"] == peers["peers"]["hf-cb"]["output_tokens"] == want
     assert 0 < peers["ceiling"]["fraction_of_ceiling"]
     assert peers["floor"]["output_tokens"] == want
-    assert set(peers["floor"]["fraction"]) == {"seqserve", "hf", "hf-cb"}
+    # the same requests as unary calls, each reply whole
+    unary = peers["seqserve_not_streamed"]
+    assert unary["output_tokens"] == want and "ttft" not in unary
+    assert peers["ratios_not_streamed"]["hf"] == pytest.approx(
+        unary["output_throughput"] / peers["peers"]["hf"]["output_throughput"])
+    runs = {"seqserve", "seqserve_not_streamed", "hf", "hf-cb"}
+    assert set(peers["floor"]["fraction"]) == runs
     # each run's own floor, at the bandwidth probed around it
     own = peers["floor"]["by_system"]
-    assert set(own) == set(peers["floor"]["fraction_end_probe"]) == {"seqserve", "hf", "hf-cb"}
+    assert set(own) == set(peers["floor"]["fraction_end_probe"]) == runs
     assert peers["seqserve"]["bandwidth_probes"] == own["seqserve"]["probes"]
     for name, floor in own.items():
         assert len(floor["probes"]) == 2 and min(floor["probes"]) > 0
         assert floor["bandwidth"] == pytest.approx(sum(floor["probes"]) / 2)
-        measured = (peers["seqserve"] if name == "seqserve" else peers["peers"][name])["duration_s"]
+        measured = (peers[name] if name.startswith("seqserve") else peers["peers"][name]
+                    )["duration_s"]
         assert peers["floor"]["fraction"][name] == pytest.approx(floor["duration_s"] / measured)
 
 

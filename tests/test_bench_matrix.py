@@ -266,6 +266,30 @@ def test_peers_report_sets_each_system_against_the_floor():
     assert "| vLLM CPU | 20.0 / 20.0 | 1.00 | 25% | 25% |" in md
 
 
+def test_peers_report_has_the_not_streamed_run_against_each_system():
+    from bench.report import peers_markdown
+
+    meta = {"trace_name": "Azure conv", "num_requests": 4, "arrival": "all at once",
+            "scale_text": "x0.25", "prompt": {"sum": 40, "mean": 10, "max": 12},
+            "output": {"sum": 8, "mean": 2, "max": 3}, "model": "m", "dtype": "bfloat16",
+            "env": {"cores": 2, "load_average": [0.1]}, "seed": 0}
+    seq = {"duration_s": 2.0, "output_tokens": 1000, "output_throughput": 500.0}
+    unary = {"duration_s": 1.6, "output_tokens": 1000, "output_throughput": 625.0}
+    result = {"workload": meta, "seqserve": seq, "seqserve_not_streamed": unary,
+              "ratios": {"vllm": 2.0}, "ratios_not_streamed": {"vllm": 2.5},
+              "peers": {"vllm": {"duration_s": 4.0, "output_tokens": 1000,
+                                 "output_throughput": 250.0}},
+              "floor": {"duration_s": 1.0, "output_throughput": 1000.0, "steps": 3,
+                        "bandwidth": 2e10, "fraction": {"seqserve": 0.5,
+                                                        "seqserve_not_streamed": 0.625,
+                                                        "vllm": 0.25}}}
+    md = peers_markdown(result)
+    assert "| seqserve | 2.00 | 1000 | 500.0 | 1.00 | 1.25 |" in md
+    assert "| seqserve, not streamed | 1.60 | 1000 | 625.0 | 0.80 | 1.00 |" in md
+    assert "| vLLM CPU | 4.00 | 1000 | 250.0 | 2.00 | 2.50 |" in md
+    assert "seqserve 50%, seqserve, not streamed 62%, vLLM CPU 25%" in md
+
+
 def test_the_bandwidth_probe_reads_both_ways_and_leaves_torch_threads_as_they_were():
     import torch
 

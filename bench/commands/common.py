@@ -119,11 +119,12 @@ def slo_limits(args) -> Slo | None:
 
 
 def run_seqserve_offline(args, model_dir, requests, tokenizer, meta, name: str,
-                         slo: Slo | None = None, probe_bandwidth: bool = False) -> dict:
-    """seqserve on `requests` all at once. The peak padded-slots gauge is not reported
-    by these commands, so it is polled once a second rather than ten times. With
-    `probe_bandwidth`, the memory's bandwidth is probed around the run (bytes/s in
-    `bandwidth_probes`)."""
+                         slo: Slo | None = None, probe_bandwidth: bool = False,
+                         stream: bool = True) -> dict:
+    """seqserve on `requests` all at once, streamed (or as GenerateUnary calls). The peak
+    padded-slots gauge is not reported by these commands, so it is polled once a second
+    rather than ten times. With `probe_bandwidth`, the memory's bandwidth is probed around
+    the run (bytes/s in `bandwidth_probes`)."""
     profile = Path(args.out) / "profile" / name if getattr(args, "profile", False) else None
     return bench_seqserve(model_dir, requests, tokenizer, max_sparsity=args.max_sparsity,
                           max_splits=args.max_splits,
@@ -131,7 +132,8 @@ def run_seqserve_offline(args, model_dir, requests, tokenizer, meta, name: str,
                           logdir=Path(args.out) / "logs" / name, dtype=meta["dtype"],
                           device=args.device, slo=slo, profile_dir=profile,
                           poll_interval=1.0, server_options=server_options(args),
-                          bandwidth_probe=bandwidth_now if probe_bandwidth else None)
+                          bandwidth_probe=bandwidth_now if probe_bandwidth else None,
+                          stream=stream)
 
 
 def selected_peers(args) -> list[str]:

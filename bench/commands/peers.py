@@ -26,6 +26,13 @@ def run(args, prepared=None) -> dict:
     probe = not args.no_floor
     seq = result["seqserve"] = run_seqserve_offline(args, model_dir, requests, tokenizer, meta,
                                                     "peers", slo, probe_bandwidth=probe)
+    # The same requests as GenerateUnary calls (client/offline.py's way), on a deployment
+    # of its own so that no prompt is in its prefix cache: vLLM's offline generate and the
+    # HF baselines do not stream either, and a streamed run also charges the server's
+    # cores with the benchmark client reading every token's message.
+    unary = result["seqserve_not_streamed"] = run_seqserve_offline(
+        args, model_dir, requests, tokenizer, meta, "peers-not-streamed",
+        probe_bandwidth=probe, stream=False)
     measure = bandwidth_now if probe else None
     systems: dict[str, dict] = {}
     if "hf" in peers:
@@ -52,7 +59,8 @@ def run(args, prepared=None) -> dict:
         result["ceiling"] = run_ceiling(model_dir, requests, seq["server"]["mean_batch_size"],
                                         seq["output_throughput"], device=args.device,
                                         threads=args.hf_threads)
-    ran = {name: s for name, s in {"seqserve": seq, **systems}.items() if "skipped" not in s}
+    ran = {name: s for name, s in {"seqserve": seq, "seqserve_not_streamed": unary,
+                                   **systems}.items() if "skipped" not in s}
     floor = offline_floor(args, model_dir, requests, ran)
     if floor:
         own = floor["by_system"]
@@ -67,6 +75,9 @@ def run(args, prepared=None) -> dict:
                                    for name, s in ran.items()}}
     result["ratios"] = {name: ratio(seq["output_throughput"], s.get("output_throughput"))
                         for name, s in systems.items()}
+    result["ratios_not_streamed"] = {
+        name: ratio(unary["output_throughput"], s.get("output_throughput"))
+        for name, s in systems.items()}
     md = peers_markdown(result)
     cdf_runs = {"seqserve": seq, **{PEER_NAMES[k]: v for k, v in systems.items()
                                     if v.get("per_request") and "ttft" in v}}
