@@ -69,9 +69,10 @@ def check_results(results: Sequence[RequestResult]) -> None:
     for r in results:
         if (r.tokens_received != r.output_len or r.generated != r.output_len
                 or r.prompt_tokens != r.prompt_len):
+            how = "streamed" if r.streamed else "returned"
             raise RuntimeError(
                 f"request {r.index}: asked for {r.output_len} tokens after {r.prompt_len}, got "
-                f"{r.tokens_received} {'streamed' if r.streamed else 'returned'}, {r.generated} counted, prompt {r.prompt_tokens}"
+                f"{r.tokens_received} {how}, {r.generated} counted, prompt {r.prompt_tokens}"
                 f" tokens (finish {r.finish_reason})")
 
 
