@@ -192,6 +192,18 @@ class Frontend:
             async for batch in batches:
                 yield batch[0]
 
+    async def all_events(self, seq: Sequence) -> list[TokenEvent | FinishEvent]:
+        """Every event of the sequence, once it has ended (a reply that is not streamed):
+        one wake-up, where `events` wakes the caller for each token. Cancels the sequence
+        if the caller is cancelled first (the client went away)."""
+        try:
+            await seq.ended.wait()
+        except asyncio.CancelledError:
+            if self.state is not None:
+                self.state.workers.cancel(seq)
+            raise
+        return [seq.events.get_nowait() for _ in range(seq.events.qsize())]
+
     async def event_batches(self, seq: Sequence, limit: int = MAX_EVENTS_PER_BATCH
                             ) -> AsyncIterator[list[TokenEvent | FinishEvent]]:
         """The sequence's events until its end, each time the first with those already

@@ -82,17 +82,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     async def GenerateUnary(self, request, context):
         seq = await self._start(request, context)
-        texts, tokens = [], []
-        async for event in self.frontend.events(seq):
-            texts.append(event.text)
-            if isinstance(event, TokenEvent):
-                tokens.append(_token(event))
-            else:
-                await _abort_on_error(event, context)
-                return generate_pb2.GenerateReply(
-                    request_id=seq.request_id, generated_text="".join(texts),
-                    finish_reason=_FINISH[event.reason], usage=_usage(event), tokens=tokens,
-                    sequences=_sequences(event))
+        *tokens, end = await self.frontend.all_events(seq)
+        await _abort_on_error(end, context)
+        return generate_pb2.GenerateReply(
+            request_id=seq.request_id,
+            generated_text="".join([e.text for e in tokens] + [end.text]),
+            finish_reason=_FINISH[end.reason], usage=_usage(end),
+            tokens=[_token(e) for e in tokens], sequences=_sequences(end))
 
     async def ModelInfo(self, request, context):
         try:

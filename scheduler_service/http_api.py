@@ -160,16 +160,11 @@ class InvocationsApp:
         return web.json_response({"generated_text": text, "details": details})
 
     async def _collect(self, seq: Sequence):
-        parts = []
-        # aclosing: when the handler is cancelled (the client went away) the events
-        # generator is closed at once, which cancels the sequence.
-        async with contextlib.aclosing(self.frontend.events(seq)) as events:
-            async for ev in events:
-                parts.append(ev.text)
-                if isinstance(ev, FinishEvent):
-                    if ev.reason == FinishReason.ERROR:
-                        return _error(503, ev.error or "generation failed")
-                    return "".join(parts), _details(ev)
+        # Cancelled (the client went away), all_events cancels the sequence.
+        *tokens, end = await self.frontend.all_events(seq)
+        if end.reason == FinishReason.ERROR:
+            return _error(503, end.error or "generation failed")
+        return "".join([e.text for e in tokens] + [end.text]), _details(end)
 
     async def _stream(self, request, seq: Sequence) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "application/jsonlines"})

@@ -85,6 +85,7 @@ def emit_finish(seq: Sequence, reason: FinishReason, error: str | None = None) -
             tail += seq.stops.flush()
     seq.events.put_nowait(FinishEvent(reason, tail, len(seq.prompt_ids), len(seq.output_ids),
                                       seq.cached_tokens, error, seq.hypotheses))
+    seq.ended.set()
     return reason
 
 

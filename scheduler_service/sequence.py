@@ -125,6 +125,9 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # Set with the FinishEvent (output.emit_finish): a reply that is not streamed waits
+    # for it once instead of waking for every token.
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def generated(self) -> int:

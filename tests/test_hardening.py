@@ -184,6 +184,12 @@ class StubFrontend:
         finally:
             self.closed += 1
 
+    async def all_events(self, seq):
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self.closed += 1
+
 
 async def _start_app(**attrs):
     from scheduler_service.http_api import InvocationsApp

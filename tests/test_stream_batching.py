@@ -82,3 +82,38 @@ def test_events_one_by_one_and_batches_together_each_cancelling_when_left_early(
     one_by_one, batches = asyncio.run(scenario())
     assert one_by_one == [*EVENTS, end]
     assert batches == [[*EVENTS, end]]
+
+
+def test_all_events_wakes_once_at_the_end_and_cancels_when_the_caller_is() -> None:
+    """A reply that is not streamed (GenerateUnary, /invocations) waits for the sequence's
+    end, which emit_finish signals, not for each token, and gets every event in order."""
+    from scheduler_service.output import emit_finish
+
+    def sequence():
+        return SimpleNamespace(events=asyncio.Queue(), ended=asyncio.Event(), prompt_ids=[1],
+                               output_ids=[5, 6, 7], cached_tokens=0, hypotheses=None)
+
+    async def scenario():
+        frontend, cancelled = _frontend()
+        seq = sequence()
+        waiter = asyncio.create_task(frontend.all_events(seq))
+        for e in EVENTS:
+            seq.events.put_nowait(e)
+            await asyncio.sleep(0)
+            assert not waiter.done()  # a token does not end the wait
+        emit_finish(seq, FinishReason.ERROR, "worker lost")
+        got = await asyncio.wait_for(waiter, 5)
+        left = sequence()
+        waiter = asyncio.create_task(frontend.all_events(left))
+        await asyncio.sleep(0)
+        waiter.cancel()  # the client went away
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            pass
+        return got, cancelled, left
+
+    got, cancelled, left = asyncio.run(scenario())
+    assert got[:-1] == EVENTS and got[-1].reason == FinishReason.ERROR
+    assert got[-1].error == "worker lost" and got[-1].generated_tokens == 3
+    assert cancelled == [left]
