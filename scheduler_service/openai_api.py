@@ -294,11 +294,14 @@ class OpenAIApp:
                 "created": int(time.time()), "model": self.model_names[0]}
         if req.stream:
             return await self._stream(request, req, head, seqs, choices)
-        async with contextlib.aclosing(self._merge(seqs)) as events:
-            async for index, ev in events:
-                if isinstance(ev, FinishEvent) and ev.reason == FinishReason.ERROR:
-                    raise ApiError(503, ev.error or "generation failed")
-                choices[index].add(ev)
+        # Each choice's events once it has ended (cancelled with the handler, each
+        # all_events cancels its sequence).
+        for choice, events in zip(choices, await asyncio.gather(
+                *(self.frontend.all_events(seq) for seq in seqs))):
+            if events[-1].reason == FinishReason.ERROR:
+                raise ApiError(503, events[-1].error or "generation failed")
+            for ev in events:
+                choice.add(ev)
         return _json(200, {**head, "choices": [c.reply() for c in choices],
                            "usage": _usage(choices, req.n)})
 

@@ -74,6 +74,14 @@ def test_cancel_and_deadline_release_the_sequence(deploy):
                                                      ignore_eos=True)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         wait_until(lambda: _worker_sequences(d) == 0, 5, "the worker to drop the expired sequence")
+        # ... and for a unary call, whose handler waits for the end alone (all_events).
+        with Client(d.address) as c, pytest.raises(grpc.RpcError) as err:
+            c.stub.GenerateUnary(build_request("once upon a time", max_new_tokens=n,
+                                               ignore_eos=True), timeout=1.0)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_until(lambda: _worker_sequences(d) == 0, 5, "the worker to drop the unary sequence")
+        m = scrape(d.metrics_url)
+        assert m["seqserve_requests_finished_total{reason=cancelled}"] == 3
         worker = scrape(f"http://127.0.0.1:{d.worker.ports['metrics']}/metrics")
         assert worker["seqserve_worker_kv_tokens"] == 0
 
