@@ -11,10 +11,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from bench.bandwidth_probe import bandwidth_now
+from bench.bandwidth_probe import bandwidth_now, probed
 from bench.env import environment, model_context, model_dtype
 from bench.loadgen import bench_seqserve
-from bench.peer_systems import PEERS
+from bench.peer_systems import PEERS, bench_hf, bench_hf_cb
 from bench.stats import Slo
 from bench.workload import (WORKLOADS, BenchRequest, Scale, TraceItem, build_workload_requests,
                             ideal_prefix_hit_rate, length_stats, load_workload, mooncake_scale)
@@ -134,6 +134,30 @@ def run_seqserve_offline(args, model_dir, requests, tokenizer, meta, name: str,
                           poll_interval=1.0, server_options=server_options(args),
                           bandwidth_probe=bandwidth_now if probe_bandwidth else None,
                           stream=stream)
+
+
+def run_hf_peers(args, model_dir: Path, requests: Sequence[BenchRequest], peers: Sequence[str],
+                 slo: Slo | None, what: str = "") -> dict[str, dict]:
+    """The HF baselines among `peers` on `requests` all at once, in process, each probed
+    around its run unless --no-floor; transformers continuous batching's failure is
+    reported as skipped (`what`: the workload, for the log)."""
+    measure = None if args.no_floor else bandwidth_now
+    out: dict[str, dict] = {}
+    if "hf" in peers:
+        out["hf"] = probed(lambda: bench_hf(model_dir, requests, batch_size=args.hf_batch_size,
+                                            threads=args.hf_threads, device=args.device),
+                           measure)
+    if "hf-cb" in peers:
+        try:
+            out["hf-cb"] = probed(lambda: bench_hf_cb(model_dir, requests,
+                                                      threads=args.hf_threads,
+                                                      device=args.device, slo=slo),
+                                  measure)
+        except Exception as exc:  # noqa: BLE001 - a peer's failure is reported, not fatal
+            logger.exception("transformers continuous batching failed%s",
+                             f" on {what}" if what else "")
+            out["hf-cb"] = {"skipped": f"transformers continuous batching failed: {exc!r}"}
+    return out
 
 
 def selected_peers(args) -> list[str]:

@@ -25,16 +25,16 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from bench.bandwidth_probe import bandwidth_now, probed
-from bench.commands.common import (prepare, selected_peers, server_options, slo_limits,
-                                   vllm_kwargs, without_per_request)
+from bench.bandwidth_probe import bandwidth_now
+from bench.commands.common import (prepare, run_hf_peers, selected_peers, server_options,
+                                   slo_limits, vllm_kwargs, without_per_request)
 from bench.env import environment, uptime
 from bench.floor import ModelShape, floors_by_system, run_floor
 from bench.loadgen import SeqserveTarget
 from bench.machine_rates import M_GRID, QUICK_M_GRID, measure_bandwidth, measure_model
 from bench.matrix_models import MATRIX_MODELS, resolve_model
 from bench.matrix_report import matrix_markdown
-from bench.peer_systems import bench_hf, bench_hf_cb, run_vllm, vllm_summary
+from bench.peer_systems import run_vllm, vllm_summary
 from bench.rate_points import curve, knee, run_rate_points
 from bench.report import write
 from bench.workload import WORKLOADS, load_workload, Scale
@@ -100,23 +100,8 @@ def _run_vllm(args, model_dir: Path, traces: dict, slo) -> str | None:
 
 
 def _run_hf(args, model_dir: Path, traces: dict, peers: list[str], slo) -> None:
-    measure = None if args.no_floor else bandwidth_now
     for name, t in traces.items():
-        p = t["points"][0]
-        if "hf" in peers:
-            p["hf"] = probed(lambda: bench_hf(model_dir, t["requests"],
-                                              batch_size=args.hf_batch_size,
-                                              threads=args.hf_threads, device=args.device),
-                             measure)
-        if "hf-cb" in peers:
-            try:
-                p["hf-cb"] = probed(lambda: bench_hf_cb(model_dir, t["requests"],
-                                                        threads=args.hf_threads,
-                                                        device=args.device, slo=slo),
-                                    measure)
-            except Exception as exc:  # noqa: BLE001 - a peer's failure is reported, not fatal
-                logger.exception("transformers continuous batching failed on %s", name)
-                p["hf-cb"] = {"skipped": f"transformers continuous batching failed: {exc!r}"}
+        t["points"][0].update(run_hf_peers(args, model_dir, t["requests"], peers, slo, name))
 
 
 def _cell(model: str, model_dir: Path, name: str, t: dict, floor_of) -> dict:

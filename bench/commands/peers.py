@@ -8,11 +8,10 @@ from pathlib import Path
 
 from bench.plots import plot_cdfs
 from bench.ceiling import run_ceiling
-from bench.bandwidth_probe import bandwidth_now, probed
-from bench.commands.common import (logger, offline_floor, prepare, run_seqserve_offline,
+from bench.commands.common import (offline_floor, prepare, run_hf_peers, run_seqserve_offline,
                                    selected_peers, slo_limits, vllm_kwargs)
 from bench.commands.throughput import throughput_report
-from bench.peer_systems import PEER_NAMES, bench_hf, bench_hf_cb, run_vllm, vllm_summary
+from bench.peer_systems import PEER_NAMES, run_vllm, vllm_summary
 from bench.report import peers_markdown, ratio, write
 
 
@@ -33,22 +32,7 @@ def run(args, prepared=None) -> dict:
     unary = result["seqserve_not_streamed"] = run_seqserve_offline(
         args, model_dir, requests, tokenizer, meta, "peers-not-streamed",
         probe_bandwidth=probe, stream=False)
-    measure = bandwidth_now if probe else None
-    systems: dict[str, dict] = {}
-    if "hf" in peers:
-        systems["hf"] = probed(lambda: bench_hf(model_dir, requests,
-                                                batch_size=args.hf_batch_size,
-                                                threads=args.hf_threads, device=args.device),
-                               measure)
-    if "hf-cb" in peers:
-        try:
-            systems["hf-cb"] = probed(lambda: bench_hf_cb(model_dir, requests,
-                                                          threads=args.hf_threads,
-                                                          device=args.device, slo=slo),
-                                      measure)
-        except Exception as exc:  # noqa: BLE001 - a peer's failure is reported, not fatal
-            logger.exception("transformers continuous batching failed")
-            systems["hf-cb"] = {"skipped": f"transformers continuous batching failed: {exc!r}"}
+    systems = run_hf_peers(args, model_dir, requests, peers, slo)
     if "vllm" in peers:
         raw = run_vllm(model_dir, [{"name": "all-at-once", "requests": requests}], mode="offline",
                        workdir=out_dir / "logs" / "peers", probe_bandwidth=probe,
