@@ -33,7 +33,7 @@ def _params(req: BenchRequest) -> dict:
 async def _stream_one(client, req: BenchRequest) -> RequestResult:
     params = _params(req)
     res = RequestResult(req.index, req.prompt_len, req.output_len, time.perf_counter())
-    async for chunk in client.stream(req.prompt, **params):
+    async for chunk in client.stream(req.wire_prompt, **params):
         now = time.perf_counter()
         if chunk.token_id is not None:
             res.token_times.append(now)
@@ -52,7 +52,7 @@ async def _unary_one(client, req: BenchRequest) -> RequestResult:
 
     res = RequestResult(req.index, req.prompt_len, req.output_len, time.perf_counter(),
                         streamed=False)
-    reply = await client.stub.GenerateUnary(build_request(req.prompt, **_params(req)),
+    reply = await client.stub.GenerateUnary(build_request(req.wire_prompt, **_params(req)),
                                             timeout=client.timeout, metadata=client.metadata)
     res.end = time.perf_counter()
     if len(reply.tokens) != reply.usage.generated_tokens:

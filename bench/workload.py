@@ -229,6 +229,14 @@ class BenchRequest:
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
 
+    @property
+    def wire_prompt(self) -> str | list[int]:
+        """What the load generator sends seqserve: the token ids, as vLLM (TokensPrompt)
+        and the HF baselines are given them, so that no system tokenizes inside its timed
+        run; the text where `cached_prompt` needs one (the server takes it only with a
+        text prompt)."""
+        return self.prompt if self.cached_prompt else self.prompt_ids
+
 
 def build_requests(tokenizer, items: Sequence[TraceItem], seed: int) -> list[BenchRequest]:
     """Random safe-token prompts of each item's exact length, from `seed`."""

@@ -34,3 +34,20 @@ def test_the_driver_freezes_its_objects_out_of_the_collector_and_streams_every_t
         gc.unfreeze()
     assert [len(r.token_times) for r in results] == [3, 6, 1]
     assert all(r.prompt_tokens == r.prompt_len for r in results)
+
+
+def test_the_load_generator_sends_token_ids_as_the_peers_get_them():
+    """vLLM and the HF baselines are given token ids; seqserve is too, except where a
+    cached_prompt needs the text (the server takes one only with a text prompt)."""
+    sent = []
+
+    class Client:
+        async def stream(self, prompt, **params):
+            sent.append((prompt, params.get("cached_prompt")))
+            yield type("Chunk", (), dict(token_id=7, finish_reason="length", generated_tokens=1,
+                                         prompt_tokens=2, cached_tokens=0))()
+
+    from bench.loadgen import _stream_one
+    asyncio.run(_stream_one(Client(), BenchRequest(0, "a b", [1, 2], 1)))
+    asyncio.run(_stream_one(Client(), BenchRequest(1, "x a b", [5, 1, 2], 1, cached_prompt="x")))
+    assert sent == [([1, 2], None), ("x a b", "x")]
