@@ -204,7 +204,7 @@ def test_a_full_arena_leaves_buffers_to_the_heap_and_takes_them_back_later():
 
 # Per model, an arena small enough that buffers must move to close holes while the plans
 # regroup, and large enough that none falls back to the heap (found by trying sizes).
-@pytest.mark.parametrize("arch,arena_bytes", [("llama", 3 << 20), ("gpt2", 6 << 20)])
+@pytest.mark.parametrize("arch,arena_bytes", [("llama", 11 << 18), ("gpt2", 22 << 18)])
 def test_an_engine_on_the_arena_matches_generate(arch, arena_bytes):
     model_dir = tiny_model(arch)
     arena = KVArena(arena_bytes)
@@ -276,3 +276,22 @@ def test_the_arena_asks_for_huge_pages_where_the_kernel_offers_them():
     assert a.huge_pages
     mapping = _mapping_of(a.buffer.data_ptr())
     assert "hg" in mapping["VmFlags"].split(), mapping
+
+
+def test_rows_double_where_the_arena_has_room_and_grow_by_half_where_it_has_not():
+    """Each growth copies every row a group holds: doubling copies half as much over a
+    burst of joining rows, where the arena's free bytes hold twice the doubled buffer."""
+    shape = KVShape(*UNIFORM, dtype=torch.float32, device=torch.device("cpu"))
+
+    def grown(arena_rows: int | None) -> KVGroup:
+        probe = KVGroup(shape)
+        probe.ensure_capacity(8, 64)
+        row_bytes = probe.length_capacity * shape.bytes_per_token
+        g = KVGroup(shape, arena=KVArena(arena_rows * row_bytes) if arena_rows else None)
+        g.ensure_capacity(8, 64)
+        g.ensure_capacity(9, 64)
+        return g
+
+    assert grown(8 + 2 * 16).row_capacity == 16  # 8 rows held, 2 x 16 free: doubled
+    assert grown(8 + 2 * 16 - 1).row_capacity == 12  # one row short: 1.5x
+    assert grown(None).row_capacity == 12  # no arena: a larger buffer is not free room

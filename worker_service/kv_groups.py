@@ -176,13 +176,29 @@ class KVGroup:
         """Grow the buffers (with headroom) so `rows` rows of `length` slots fit."""
         if rows <= self.row_capacity and length <= self.length_capacity:
             return
-        new_rows = max(rows, self.row_capacity)
-        if rows > self.row_capacity:
-            new_rows = max(rows, int(self.row_capacity * 1.5), 4)
         new_len = self.length_capacity
         if length > self.length_capacity:
             new_len = _round_up(max(length, int(length * 1.25)), LENGTH_ALIGN)
+        new_rows = max(rows, self.row_capacity)
+        if rows > self.row_capacity:
+            new_rows = self._grown_rows(rows, new_len)
         self._reallocate(new_rows, new_len)
+
+    def _grown_rows(self, rows: int, length: int) -> int:
+        """Row capacity for growth past the current one: double where the arena's free
+        bytes hold that, else half as much again. A group gains rows at every prefill
+        chunk while a burst is taken in, and each growth copies every row it holds; by
+        doubling, SmolLM2's Azure code run copied 0.29-0.32 GB growing groups, against 0.67
+        at 1.5x (docs/benchmarks.md, session 47). Without an arena (a GPU's caching
+        allocator, or the heap) the larger buffer is not free room: 1.5x there."""
+        grown = max(rows, int(self.row_capacity * 1.5), 4)
+        doubled = max(rows, 2 * self.row_capacity, 4)
+        if self.arena is not None and doubled > grown:
+            free = self.arena.capacity_bytes - self.arena.used_bytes
+            # As much again left free: doubling must not bring on compactions or misses.
+            if 2 * doubled * length * self.shape.bytes_per_token <= free:
+                return doubled
+        return grown
 
     def trim(self) -> None:
         """Give memory back when the buffers are far larger than the rows need."""
