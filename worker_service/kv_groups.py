@@ -173,7 +173,11 @@ class KVGroup:
         return self.seq_ids.index(seq_id)
 
     def ensure_capacity(self, rows: int, length: int) -> None:
-        """Grow the buffers (with headroom) so `rows` rows of `length` slots fit."""
+        """Grow the buffers (with headroom) so `rows` rows of `length` slots fit. Rows
+        double where the arena's free bytes hold twice the doubled buffer, else (and off
+        the arena) grow by half: in a burst a group gains rows at every prefill chunk, and
+        each growth copies every row (SmolLM2's Azure code run: 0.3 GB of such copies
+        doubling, 0.67 GB at 1.5x; docs/benchmarks.md, session 47)."""
         if rows <= self.row_capacity and length <= self.length_capacity:
             return
         new_len = self.length_capacity
@@ -181,24 +185,13 @@ class KVGroup:
             new_len = _round_up(max(length, int(length * 1.25)), LENGTH_ALIGN)
         new_rows = max(rows, self.row_capacity)
         if rows > self.row_capacity:
-            new_rows = self._grown_rows(rows, new_len)
+            new_rows = max(rows, int(self.row_capacity * 1.5), 4)
+            doubled = max(rows, 2 * self.row_capacity, 4)
+            arena = self.arena
+            if arena is not None and 2 * doubled * new_len * self.shape.bytes_per_token <= (
+                    arena.capacity_bytes - arena.used_bytes):
+                new_rows = doubled
         self._reallocate(new_rows, new_len)
-
-    def _grown_rows(self, rows: int, length: int) -> int:
-        """Row capacity for growth past the current one: double where the arena's free
-        bytes hold that, else half as much again. A group gains rows at every prefill
-        chunk while a burst is taken in, and each growth copies every row it holds; by
-        doubling, SmolLM2's Azure code run copied 0.29-0.32 GB growing groups, against 0.67
-        at 1.5x (docs/benchmarks.md, session 47). Without an arena (a GPU's caching
-        allocator, or the heap) the larger buffer is not free room: 1.5x there."""
-        grown = max(rows, int(self.row_capacity * 1.5), 4)
-        doubled = max(rows, 2 * self.row_capacity, 4)
-        if self.arena is not None and doubled > grown:
-            free = self.arena.capacity_bytes - self.arena.used_bytes
-            # As much again left free: doubling must not bring on compactions or misses.
-            if 2 * doubled * length * self.shape.bytes_per_token <= free:
-                return doubled
-        return grown
 
     def trim(self) -> None:
         """Give memory back when the buffers are far larger than the rows need."""
@@ -323,31 +316,24 @@ class KVGroup:
         return DetachedKV(end - start, None, [(copy(k[row, :, start:end]), copy(v[row, :, start:end]))
                                               for k, v in zip(self.keys, self.values)])
 
+    def _row_views(self, row: int, start: int, end: int) -> list[torch.Tensor]:
+        """Slots [start, end) of a row, as views in the order of DetachedKV.tensors()."""
+        if self.kv is not None:
+            return [self.kv[:, :, row, :, start:end]]
+        return [t[row, :, start:end] for pair in zip(self.keys, self.values) for t in pair]
+
     def copy_out_into(self, row: int, kv: DetachedKV, non_blocking: bool = False) -> None:
         """Copy slots [0, kv.slots) of a row into `kv`'s tensors (the swap space's buffer).
         `non_blocking`: queue a copy to pinned host memory without waiting for it."""
-        n = kv.slots
-        if self.kv is not None and kv.kv is not None:
-            kv.kv.copy_(self.kv[:, :, row, :, :n], non_blocking=non_blocking)
-            return
-        for layer in range(self.shape.num_layers):
-            k, v = kv.layer(layer)
-            k.copy_(self.keys[layer][row, :, :n], non_blocking=non_blocking)
-            v.copy_(self.values[layer][row, :, :n], non_blocking=non_blocking)
+        for dst, src in zip(kv.tensors(), self._row_views(row, 0, kv.slots)):
+            dst.copy_(src, non_blocking=non_blocking)
 
     def copy_in(self, row: int, start: int, kv: DetachedKV, n: int,
                 non_blocking: bool = False) -> None:
         """Write the first `n` slots of `kv` into slots [start, start + n) of a row (its
         length is the caller's to set). `non_blocking`: as in copy_out_into."""
-        if self.kv is not None and kv.kv is not None:
-            self.kv[:, :, row, :, start:start + n].copy_(kv.kv[:, :, :, :n],
-                                                         non_blocking=non_blocking)
-            return
-        for layer in range(self.shape.num_layers):
-            k, v = kv.layer(layer)
-            self.keys[layer][row, :, start:start + n].copy_(k[:, :n], non_blocking=non_blocking)
-            self.values[layer][row, :, start:start + n].copy_(v[:, :n],
-                                                              non_blocking=non_blocking)
+        for dst, src in zip(self._row_views(row, start, start + n), kv.tensors()):
+            dst.copy_(src[..., :n, :], non_blocking=non_blocking)
 
     def add_row_with(self, seq_id: int, kv: DetachedKV, reserve_length: int,
                      non_blocking: bool = False) -> int:
