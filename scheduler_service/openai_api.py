@@ -294,13 +294,20 @@ class OpenAIApp:
                 "created": int(time.time()), "model": self.model_names[0]}
         if req.stream:
             return await self._stream(request, req, head, seqs, choices)
-        # Each choice's events once it has ended (cancelled with the handler, each
-        # all_events cancels its sequence).
-        for choice, events in zip(choices, await asyncio.gather(
-                *(self.frontend.all_events(seq) for seq in seqs))):
-            if events[-1].reason == FinishReason.ERROR:
-                raise ApiError(503, events[-1].error or "generation failed")
-            for ev in events:
+        # Each choice's events once it has ended. The first to end in an error answers at
+        # once; cancelled then, or with the handler, each all_events cancels its sequence.
+        waits = [asyncio.ensure_future(self.frontend.all_events(seq)) for seq in seqs]
+        try:
+            for ended in asyncio.as_completed(waits):
+                end = (await ended)[-1]
+                if end.reason == FinishReason.ERROR:
+                    raise ApiError(503, end.error or "generation failed")
+        finally:
+            for wait in waits:
+                wait.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+        for choice, wait in zip(choices, waits):
+            for ev in wait.result():
                 choice.add(ev)
         return _json(200, {**head, "choices": [c.reply() for c in choices],
                            "usage": _usage(choices, req.n)})

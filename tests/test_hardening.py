@@ -464,3 +464,36 @@ def test_compose_restarts_the_worker():
     for name in ("worker", "worker-gpu"):
         assert compose["services"][name]["restart"] in ("unless-stopped", "on-failure",
                                                          "always")
+
+
+def test_an_openai_reply_of_n_choices_answers_the_first_error_at_once():
+    """A choice that ends in an error answers 503 without waiting for the other choices,
+    whose sequences are cancelled (their waits end with the handler's)."""
+    from scheduler_service.openai_api import OpenAIApp
+    from scheduler_service.openai_schemas import ApiError
+    from scheduler_service.sequence import FinishEvent, FinishReason
+
+    class Frontend:
+        state = SimpleNamespace(tokenizer=None)
+        cancelled: list = []
+
+        async def all_events(self, seq):
+            if seq == "failed":
+                return [FinishEvent(FinishReason.ERROR, "", 1, 0, 0, "worker lost")]
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled.append(seq)
+                raise
+
+    async def scenario():
+        app = OpenAIApp(Frontend(), ("m",))
+        req = SimpleNamespace(logprobs=None, stream=False, n=2)
+        with pytest.raises(ApiError) as err:
+            await asyncio.wait_for(app._answer(None, req, "id", ["running", "failed"],
+                                               chat=False), 5)
+        return err.value
+
+    err = asyncio.run(scenario())
+    assert (err.status, err.message) == (503, "worker lost")
+    assert Frontend.cancelled == ["running"]
