@@ -10,7 +10,12 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from scheduler_service.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopMatcher
+from scheduler_service.detokenizer import (
+    REPLACEMENT_CHAR,
+    IncrementalDetokenizer,
+    StopMatcher,
+    ids_decoder,
+)
 
 EOS = "<|endoftext|>"
 
@@ -353,3 +358,34 @@ def test_single_token_context_is_decoded_once_per_tokenizer(tokenizer: PreTraine
         out = "".join(detok.add(t) for t in gen_ids) + detok.flush()
         assert out == tokenizer.decode(gen_ids)
     assert len(calls) <= len(gen_ids) + 2  # the prompt's context, then one per token
+
+
+def _wordpiece_with_cleanup() -> PreTrainedTokenizerBase:
+    """A WordPiece tokenizer whose decode cleans up spaces before punctuation (BERT's):
+    transformers' decode does more than the tokenizers library's there."""
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(cleanup=False)  # transformers' decode cleans up
+    trainer = trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[UNK]", "[SEP]"],
+                                        show_progress=False)
+    tok.train_from_iterator(_CORPUS * 10, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", sep_token="[SEP]",
+                                   clean_up_tokenization_spaces=True)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_ids_decoder_gives_the_text_of_decode(tokenizer: PreTrainedTokenizerBase,
+                                              skip: bool) -> None:
+    """The byte-level BPE fixture takes the tokenizers library's decode directly; a
+    WordPiece tokenizer whose decode cleans up spaces keeps transformers' decode. Both give
+    decode's text for random ids, special tokens among them."""
+    wordpiece = _wordpiece_with_cleanup()
+    rng = random.Random(7)
+    for tok, direct in ((tokenizer, True), (wordpiece, False)):
+        decode = ids_decoder(tok, skip)
+        assert (decode.func == tok.backend_tokenizer.decode) is direct
+        for _ in range(200):
+            ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 12))]
+            assert decode(ids) == tok.decode(ids, skip_special_tokens=skip), ids
+    assert wordpiece.decode(wordpiece.encode("a , b .")) != \
+        wordpiece.backend_tokenizer.decode(wordpiece.encode("a , b ."))  # the clean-up
