@@ -211,3 +211,52 @@ def test_inserted_blocks_hold_their_own_copy_of_each_layer(heads, dims):
             assert torch.equal(group.keys[layer][row, :, sl], group.keys[layer][source, :, sl])
             assert torch.equal(group.values[layer][row, :, sl],
                                group.values[layer][source, :, sl])
+
+
+class _SortingCache(PrefixCache):
+    """The eviction rule as a sort of every block at each pass: the reference for the heap."""
+
+    def _make_room(self, nbytes: int, pinned: bool) -> bool:
+        if self.bytes_held + nbytes <= self.capacity_bytes:
+            return True
+        victims = sorted((b for b in self.blocks.values() if pinned or not b.pinned),
+                         key=lambda b: (b.pinned, b.last_used, -b.depth))
+        for victim in victims:
+            if victim.last_used == self._clock:
+                continue
+            del self.blocks[victim.key]
+            self.bytes_held -= victim.nbytes
+            self.stats.evictions += 1
+            if self.bytes_held + nbytes <= self.capacity_bytes:
+                return True
+        return False
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_heap_eviction_evicts_what_sorting_every_block_would(seed):
+    """Random prompts sharing prefixes, some pinned, inserted and matched into a small cache:
+    the blocks held and the counts equal those of a sort of every block at each pass."""
+    import torch
+
+    from worker_service.kv_groups import KVGroup, KVShape
+
+    shape = KVShape((1,), (1,), (1,), (2,), torch.float32, torch.device("cpu"))
+    group = KVGroup(shape)
+    group.add_empty_row(0, 12 * BLOCK)
+    caches = [cls(shape, 20 * BLOCK * shape.bytes_per_token, BLOCK)
+              for cls in (PrefixCache, _SortingCache)]
+    rng = random.Random(seed)
+    stems = [[rng.randint(3, 50) for _ in range(6 * BLOCK)] for _ in range(5)]
+    for _ in range(300):
+        stem = rng.choice(stems)[: rng.randint(0, 6) * BLOCK]
+        tokens = stem + [rng.randint(3, 50) for _ in range(rng.randint(1, 6 * BLOCK))]
+        pin = rng.choice([0, 0, 0, BLOCK, 2 * BLOCK])
+        matched = rng.random() < 0.5
+        for cache in caches:
+            if matched:
+                cache.match(tokens)
+            cache.insert(tokens, group, 0, pin_tokens=pin)
+        ours, ref = caches
+        assert ours.blocks.keys() == ref.blocks.keys()
+        assert (ours.bytes_held, ours.stats) == (ref.bytes_held, ref.stats)
+    assert ref.stats.evictions > 100
