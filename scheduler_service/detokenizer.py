@@ -35,6 +35,7 @@ __all__ = [
     "REPLACEMENT_CHAR",
     "IncrementalDetokenizer",
     "StopMatcher",
+    "ids_decoder",
 ]
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -88,11 +89,10 @@ def ids_decoder(tokenizer: PreTrainedTokenizerBase,
     only call it (a class that keeps its decode and _decode, and no clean-up of spaces
     that applies), which saves 1.5-3 us of Python argument handling per call (two calls per
     generated token); else decode itself."""
-    backend = getattr(tokenizer, "_tokenizer", None)
     plain = (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
-             and backend is not None
              and type(tokenizer).decode is PreTrainedTokenizerBase.decode
              and type(tokenizer)._decode is TokenizersBackend._decode)
+    backend = tokenizer.backend_tokenizer if plain else None
     if plain and tokenizer.clean_up_tokenization_spaces:
         # transformers skips the clean-up for BPE models unless told to corrupt them
         plain = (type(backend.model).__name__ == "BPE" and not getattr(
