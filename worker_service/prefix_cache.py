@@ -39,6 +39,12 @@ class Block:
     pinned: bool = False
     last_used: int = 0
 
+    @property
+    def rank(self) -> tuple[bool, int, int, int]:
+        """Its place in the eviction order, first out first: unpinned, least recently
+        used, deepest in its chain (the key only breaks ties)."""
+        return self.pinned, self.last_used, -self.depth, self.key
+
 
 @dataclass
 class PrefixCacheStats:
@@ -57,16 +63,15 @@ class PrefixCache:
     bytes_held: int = 0
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     _clock: int = 0
-    # Eviction order: (pinned, last_used, -depth, key) of every block as last used; an
-    # entry whose block has been used or pinned since, or evicted, is stale and skipped.
+    # Eviction order: each block's Block.rank as last used; an entry whose block has been
+    # used or pinned since, or evicted, is stale and skipped.
     _order: list[tuple[bool, int, int, int]] = field(default_factory=list)
 
     def _touch(self, block: Block) -> None:
         """Record a block's (new) place in the eviction order."""
-        heapq.heappush(self._order, (block.pinned, block.last_used, -block.depth, block.key))
+        heapq.heappush(self._order, block.rank)
         if len(self._order) > 4 * len(self.blocks) + 64:  # mostly stale: rebuild
-            self._order = [(b.pinned, b.last_used, -b.depth, b.key)
-                           for b in self.blocks.values()]
+            self._order = [b.rank for b in self.blocks.values()]
             heapq.heapify(self._order)
 
     @property
@@ -150,7 +155,6 @@ class PrefixCache:
     def _make_room(self, nbytes: int, pinned: bool) -> bool:
         if self.bytes_held + nbytes <= self.capacity_bytes:
             return True
-        # Unpinned first, then least recently used, then deepest in its chain.
         kept = []  # blocks of the prefix being inserted right now: never evicted
         try:
             while self._order:
@@ -160,7 +164,7 @@ class PrefixCache:
                     return False  # only pinned blocks are left, and this is no pinned one
                 heapq.heappop(self._order)
                 victim = self.blocks.get(key)
-                if victim is None or victim.pinned != entry_pinned or victim.last_used != used:
+                if victim is None or victim.rank != entry:
                     continue  # stale
                 if used == self._clock:
                     kept.append(entry)
