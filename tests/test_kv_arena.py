@@ -266,7 +266,7 @@ def test_the_arena_asks_for_huge_pages_where_the_kernel_offers_them():
     written, so the prefaulted pages can be 2 MiB ones (fewer TLB misses for a step's rows
     spread over gigabytes). Whether the kernel then finds free 2 MiB pages depends on the
     host's fragmentation, so the pages themselves are not asserted."""
-    from worker_service.kv_arena import HUGE_PAGE
+    from worker_service.huge_pages import HUGE_PAGE
 
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not thp.exists() or "[never]" in thp.read_text():

@@ -32,39 +32,12 @@ from typing import Callable, Protocol
 import torch
 
 from seqserve_common.config import ServingConfig
+from worker_service.huge_pages import huge_page_buffer
 
 logger = logging.getLogger(__name__)
 
 # Extents start at multiples of this: a cache line, and a multiple of every dtype's size.
 ALIGN = 64
-# Linux's transparent huge page size on x86-64 and most arm64 kernels.
-HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14  # <sys/mman.h>
-
-
-def huge_page_buffer(nbytes: int) -> tuple[torch.Tensor, bool]:
-    """`nbytes` of untouched host memory (uint8), starting on a 2 MiB boundary and marked
-    for transparent huge pages where the kernel offers them (Linux with THP "madvise" or
-    "always"), so the pages it faults in later are 2 MiB ones. A decoding step reads and
-    writes one slot per row of buffers spread over gigabytes: with 4 KiB pages nearly every
-    row costs a TLB miss (docs/benchmarks.md, session 28: 64 rows' decoding attention over
-    800 MB of KV, 1.15-1.3x faster on huge pages). Elsewhere the memory is plain pages.
-    Returns the buffer and whether the kernel took the advice."""
-    if nbytes <= 0:
-        return torch.empty(0, dtype=torch.uint8), False
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % HUGE_PAGE
-    buffer = raw[start:start + nbytes]
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        status = libc.madvise(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(nbytes),
-                              MADV_HUGEPAGE)
-    except (OSError, AttributeError):
-        status = -1
-    if status != 0:
-        logger.debug("KV arena: no transparent huge pages (madvise: %s); 4 KiB pages",
-                     ctypes.get_errno() or "unavailable")
-    return buffer, status == 0
 
 
 class Movable(Protocol):

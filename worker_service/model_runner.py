@@ -18,7 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from seqserve_common.model_source import gguf_kwargs, model_files
-from worker_service import (attention, batch_invariance, cpu_dtype, layer_loop,
+from worker_service import (attention, batch_invariance, cpu_dtype, huge_pages, layer_loop,
                             tensor_parallel)
 from worker_service.kernels import (dpbf16_linear, fused_layers, fused_projections,
                                     linear_prepack, native_attention, sharded_prepack)
@@ -195,6 +195,10 @@ class ModelRunner:
             logger.info("one-pass C loops for %d RMSNorms, the rotary embedding of %d "
                         "modeling modules and the SiLU gate product of %d MLPs", norms,
                         rotary, mlps)
+        # after prepacking, which replaces the weights, and before the C step takes their
+        # addresses (collapsing keeps them)
+        self.weight_huge_page_bytes = (huge_pages.weights_onto_huge_pages(self.model)
+                                       if self.device.type == "cpu" else 0)
         self.kv_shape = self._kv_shape(layers)
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self.layer_loop = None if self.fallback is not None or sharded else self._layer_loop()
