@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,22 +56,64 @@ def test_written_memory_moves_onto_huge_pages_and_keeps_its_contents():
     assert t.data_ptr() == address and torch.equal(t, expected)
 
 
+@needs_collapse
+def test_a_page_it_cannot_collapse_does_not_stop_the_others(tmp_path):
+    """A tensor in a file's mapping (safetensors leaves some weights there) cannot be
+    collapsed; one at a higher address still is."""
+    import mmap
+
+    heap = mmap.mmap(-1, 5 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    anonymous = torch.frombuffer(heap, dtype=torch.uint8)
+    anonymous.fill_(1)
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(2 * HUGE_PAGE))
+    with open(path, "r+b") as f:  # mapped after, so below it where mappings grow down
+        mapped = mmap.mmap(f.fileno(), 2 * HUGE_PAGE)
+    in_file = torch.frombuffer(mapped, dtype=torch.uint8)
+    if anonymous.data_ptr() < in_file.data_ptr():
+        pytest.skip("the file's mapping landed above the anonymous buffer")
+    done, asked = collapse_onto_huge_pages([in_file, anonymous])
+    assert done >= 3 * HUGE_PAGE  # the anonymous buffer's whole 2 MiB pages
+    assert done < asked  # the file's pages were asked for and refused
+    del in_file, anonymous
+
+
 def test_tensors_it_cannot_collapse_are_left_alone():
     """Off the CPU's strided memory (a meta tensor) or empty: nothing asked."""
     assert collapse_onto_huge_pages([torch.empty(1 << 20, device="meta"),
                                      torch.empty(0)]) == (0, 0)
 
 
+# The worker's start, as worker_service/main.py makes it: glibc's heap for every allocation
+# (host_memory.py), then the model. In pytest's own process glibc may give a weight a
+# mapping of its own too small for a 2 MiB page.
+RUNNER_SCRIPT = """
+import json, sys
+from worker_service.host_memory import keep_freed_memory
+keep_freed_memory()
+from worker_service.model_runner import ModelRunner
+runner = ModelRunner(sys.argv[1], dtype="bfloat16")
+weights = [t for t in list(runner.model.parameters()) + list(runner.model.buffers())
+           if t.numel() * t.element_size() >= 64 << 10]
+huge = [huge_kb_of_mapping(t.data_ptr()) for t in weights]
+print(json.dumps({"bytes": runner.weight_huge_page_bytes, "weights": len(weights),
+                  "huge_kb": huge}))
+"""
+
+
 @needs_collapse
 def test_the_runner_puts_its_weights_on_huge_pages(llama_dir):
     """A CPU model's weights of 64 KiB and more (the tiny Llama's embedding and output
-    layer in bfloat16) are collapsed once it is loaded. Only those in a mapping that can
-    hold a 2 MiB page are: in the worker every one (its heap, host_memory.py); here, in
-    pytest's process, glibc may have given a small one a mapping of its own."""
-    from worker_service.model_runner import ModelRunner
+    layer in bfloat16) are on 2 MiB pages once a worker has loaded it."""
+    import inspect
+    import json
+    import subprocess
 
-    runner = ModelRunner(str(llama_dir), dtype="bfloat16")
-    assert runner.weight_huge_page_bytes >= HUGE_PAGE
-    weights = [t for t in list(runner.model.parameters()) + list(runner.model.buffers())
-               if t.numel() * t.element_size() >= 64 << 10]
-    assert any(_huge_kb_of_mapping(t.data_ptr()) > 0 for t in weights)
+    helper = inspect.getsource(_huge_kb_of_mapping).replace("_huge_kb_of_mapping",
+                                                             "huge_kb_of_mapping")
+    out = subprocess.run([sys.executable, "-c", helper + RUNNER_SCRIPT, str(llama_dir)],
+                         check=True, capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["bytes"] >= HUGE_PAGE and got["weights"] >= 2, got
+    assert all(kb > 0 for kb in got["huge_kb"]), got
