@@ -182,23 +182,15 @@ class ModelRunner:
                  linear_prepack.prepack_linears(self.model, min_rows, c_product)
                  + 3 * qkv + 2 * gate_up)
             self.lm_head = self.model.get_output_embeddings()
-            in_c = sum(1 for m in self.model.modules()
-                       if isinstance(m, linear_prepack.PrepackedLinear) and m.c_product)
-            logger.info("prepacked the weights of %d linear layers%s: %d for the C bfloat16 "
-                        "product, the others for oneDNN%s", n,
-                        " (this rank's shards)" if sharded else "", in_c,
-                        f"; q, k and v stacked into one product in {qkv} layers, gate and "
-                        f"up in {gate_up}" if qkv or gate_up else "")
+            linear_prepack.log_prepacked(self.model, n, sharded, qkv, gate_up)
         norms, rotary = (0, 0) if sharded else fused_layers.install(self.model)
         mlps = 0 if sharded else fused_layers.install_mlp(self.model)
         if norms or rotary or mlps:
             logger.info("one-pass C loops for %d RMSNorms, the rotary embedding of %d "
                         "modeling modules and the SiLU gate product of %d MLPs", norms,
                         rotary, mlps)
-        # after prepacking, which replaces the weights, and before the C step takes their
-        # addresses (collapsing keeps them)
-        self.weight_huge_page_bytes = (huge_pages.weights_onto_huge_pages(self.model)
-                                       if self.device.type == "cpu" else 0)
+        # once prepacking has replaced the weights; the C step takes their addresses after
+        self.weight_huge_page_bytes = huge_pages.weights_onto_huge_pages(self.model)
         self.kv_shape = self._kv_shape(layers)
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self.layer_loop = None if self.fallback is not None or sharded else self._layer_loop()

@@ -67,6 +67,17 @@ class PrepackedLinear(nn.Module):
                                                   [], "")
 
 
+def log_prepacked(model: nn.Module, n: int, sharded: bool, qkv: int, gate_up: int) -> None:
+    """Log what prepacking did: `n` linear layers, how many of them run the C product, and
+    the layers whose q/k/v (`qkv`) and gate/up (`gate_up`) products were stacked."""
+    in_c = sum(isinstance(m, PrepackedLinear) and m.c_product for m in model.modules())
+    logger.info("prepacked the weights of %d linear layers%s: %d for the C bfloat16 "
+                "product, the others for oneDNN%s", n,
+                " (this rank's shards)" if sharded else "", in_c,
+                f"; q, k and v stacked into one product in {qkv} layers, gate and "
+                f"up in {gate_up}" if qkv or gate_up else "")
+
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags (Linux /proc/cpuinfo; empty where there is none)."""
     try:
