@@ -59,23 +59,36 @@ def test_written_memory_moves_onto_huge_pages_and_keeps_its_contents():
 @needs_collapse
 def test_a_page_it_cannot_collapse_does_not_stop_the_others(tmp_path):
     """A tensor in a file's mapping (safetensors leaves some weights there) cannot be
-    collapsed; one at a higher address still is."""
-    import mmap
+    collapsed; one at a higher address, asked for after it, still is."""
+    import os
 
-    heap = mmap.mmap(-1, 5 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    anonymous = torch.frombuffer(heap, dtype=torch.uint8)
-    anonymous.fill_(1)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    prot, shared, private_anonymous = 3, 0x01, 0x22  # read|write; MAP_SHARED; PRIVATE|ANON
+    low = 0x2000_0000_0000  # hints far below the mappings torch and Python made
     path = tmp_path / "weights.bin"
     path.write_bytes(bytes(2 * HUGE_PAGE))
-    with open(path, "r+b") as f:  # mapped after, so below it where mappings grow down
-        mapped = mmap.mmap(f.fileno(), 2 * HUGE_PAGE)
-    in_file = torch.frombuffer(mapped, dtype=torch.uint8)
-    if anonymous.data_ptr() < in_file.data_ptr():
-        pytest.skip("the file's mapping landed above the anonymous buffer")
-    done, asked = collapse_onto_huge_pages([in_file, anonymous])
-    assert done >= 3 * HUGE_PAGE  # the anonymous buffer's whole 2 MiB pages
-    assert done < asked  # the file's pages were asked for and refused
-    del in_file, anonymous
+    fd = os.open(path, os.O_RDWR)
+    file_at = libc.mmap(low, 2 * HUGE_PAGE, prot, shared, fd, 0)
+    os.close(fd)
+    anon_at = libc.mmap(low + 64 * HUGE_PAGE, 5 * HUGE_PAGE, prot, private_anonymous, -1, 0)
+    try:
+        if not file_at < anon_at < 2**63:
+            pytest.skip("the kernel placed the mappings elsewhere than hinted")
+        in_file = torch.frombuffer((ctypes.c_char * (2 * HUGE_PAGE)).from_address(file_at),
+                                   dtype=torch.uint8)
+        anonymous = torch.frombuffer((ctypes.c_char * (5 * HUGE_PAGE)).from_address(anon_at),
+                                     dtype=torch.uint8)
+        anonymous.fill_(1)
+        done, asked = collapse_onto_huge_pages([in_file, anonymous])
+        assert done >= 5 * HUGE_PAGE  # all of the anonymous buffer
+        assert done < asked  # the file's pages were asked for first and refused
+    finally:
+        libc.munmap(file_at, 2 * HUGE_PAGE)
+        libc.munmap(anon_at, 5 * HUGE_PAGE)
 
 
 def test_tensors_it_cannot_collapse_are_left_alone():
