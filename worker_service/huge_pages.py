@@ -121,7 +121,7 @@ def weights_onto_huge_pages(model: torch.nn.Module, min_bytes: int = 64 << 10) -
         return 0
     done, asked = collapse_onto_huge_pages(seen.values())
     logger.info("weights on 2 MiB pages: %d of %d MB%s", done >> 20, asked >> 20,
-                "" if done else " (the kernel collapsed none: 4 KiB pages, a few percent "
-                "slower decoding; Linux 6.1 or later with transparent huge pages not set "
-                "to never can)")
+                "" if done else " (none collapsed: they stay on 4 KiB pages, decoding a "
+                "few percent slower; collapsing needs Linux 6.1 or later with transparent "
+                "huge pages not set to never)")
     return done
